@@ -1,0 +1,891 @@
+"""The Flax msgpack checkpoint format (`*.flax`): one module owns it.
+
+`flax.serialization.to_bytes` writes a state as msgpack: the state dict's maps
+and scalars as plain msgpack, numpy and jax arrays as ext type 1 holding a
+msgpack triple `(shape, dtype name, C-order bytes)`, numpy scalars as ext type
+3 (a 0-d array), complex numbers as ext type 2 (`(real, imag)`), and arrays over
+1 GiB split into a `{"__msgpack_chunked_array__": True, "shape": ..., "chunks":
+...}` map. This module writes exactly those bytes, but streams them: array data
+goes from the array's own buffer to the file, so saving costs no copy of the
+state. It reads by memory-mapping the file and handing out read-only numpy views
+of the array bytes, so loading costs no copy either, and it can decode a single
+subtree or only the headers.
+
+Synopsis::
+
+  from clu_ckpt import flax_format
+
+  flax_format.save_file(state, "/tmp/ckpt-1.flax")   # == to_bytes(state)
+  state_dict = flax_format.load_file("/tmp/ckpt-1.flax")
+  params = flax_format.load_file("/tmp/ckpt-1.flax", subtree="params")
+  for leaf in flax_format.inspect_file("/tmp/ckpt-1.flax"):
+    print(leaf.path, leaf.dtype, leaf.shape, leaf.nbytes)
+
+  data = flax_format.save(state)                      # bytes, for small states
+  state_dict = flax_format.load(data)
+
+Reading needs only numpy, msgpack and ml_dtypes; writing a plain tree of dicts,
+lists and arrays needs nothing more either. Flax is imported only to turn other
+objects (dataclasses, named tuples, registered types) into state dicts, with
+`flax.serialization.to_state_dict`, exactly as `to_bytes` does.
+
+Every problem with the bytes of a file raises `FlaxFormatError`, a `ValueError`
+naming the file and the byte offset. The reader never allocates more than the
+file's size, never recurses deeper than `MAX_DEPTH` and never hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+import sys
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import msgpack
+import numpy as np
+
+from clu_ckpt import storage
+
+# Arrays larger than this many bytes are split into chunks (Flax's MAX_CHUNK_SIZE).
+CHUNK_BYTES = 2**30
+# Maps and arrays nested deeper than this are refused as hostile input.
+MAX_DEPTH = 256
+# numpy's own limit on the number of dimensions.
+MAX_NDIM = 64
+
+_EXT_NDARRAY = 1
+_EXT_COMPLEX = 2
+_EXT_NPSCALAR = 3
+_CHUNKED_KEY = "__msgpack_chunked_array__"
+# Pieces of array data at most this large are written in one system call.
+_WRITE_BLOCK = 64 * 2**20
+# Small msgpack pieces are gathered up to this size before they are written.
+_SMALL_BUFFER = 2**20
+
+Subtree = Union[None, str, Sequence[str]]
+
+
+class FlaxFormatError(ValueError):
+  """A `.flax` file (or byte string) is not a valid Flax msgpack checkpoint.
+
+  Attributes:
+    path: The file, or None for an in-memory byte string.
+    offset: Byte offset at which the problem was found, or None.
+  """
+
+  def __init__(self, message: str, path: Optional[str] = None,
+               offset: Optional[int] = None):
+    where = path if path is not None else "<bytes>"
+    if offset is not None:
+      where = f"{where} at byte {offset}"
+    super().__init__(f"{where}: {message}")
+    self.path = path
+    self.offset = offset
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+  """One leaf of a `.flax` file, as described by its headers.
+
+  Attributes:
+    path: "/"-joined keys from the root, e.g. "/params/Dense_0/kernel".
+    kind: "ndarray", "npscalar", "int", "float", "bool", "str", "bytes",
+      "none" or "complex". Arrays stored in Flax's chunked form are "ndarray".
+    dtype: numpy dtype name for arrays and numpy scalars, else None.
+    shape: The array shape for arrays and numpy scalars, else None.
+    nbytes: Bytes of array data (for arrays and numpy scalars), else 0.
+    offset: Byte offset in the file of the array data (of the first chunk for
+      chunked arrays), or of the value itself for other leaves.
+  """
+  path: str
+  kind: str
+  dtype: Optional[str]
+  shape: Optional[tuple]
+  nbytes: int
+  offset: int
+
+
+# --------------------------------------------------------------------------
+# Writing.
+# --------------------------------------------------------------------------
+
+_PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, complex)
+
+
+def save(state: Any) -> bytes:
+  """Serializes `state` to bytes, exactly as `flax.serialization.to_bytes`.
+
+  Use `save_file` for anything large: it never holds the encoding in memory.
+
+  Example::
+
+    data = save({"params": {"w": np.ones((2, 2), np.float32)}, "step": 3})
+    assert load(data)["step"] == 3
+
+  Args:
+    state: A Flax state: dicts, lists, tuples, flax dataclasses or any type
+      registered with `flax.serialization`, with array and scalar leaves.
+
+  Returns:
+    The msgpack encoding.
+
+  Raises:
+    TypeError: A leaf is of a type msgpack cannot encode (names its path).
+    ValueError: An object or structured dtype array, or dict keys whose
+      string forms collide.
+    OverflowError: An int outside [-2**63, 2**64 - 1].
+  """
+  out = bytearray()
+  _encode(state, out.extend)
+  return bytes(out)
+
+
+def save_file(state: Any, path: str) -> int:
+  """Writes `state` to `path` in Flax's format, streaming, crash-safe.
+
+  The bytes are those of `flax.serialization.to_bytes(state)`. Array data is
+  written straight from each array's buffer (jax arrays on the CPU are not
+  copied). Local files are written under a temporary name in the same
+  directory, flushed to disk with fsync and renamed, so `path` either holds the
+  previous content or the complete new one; remote paths (`gs://...`) go
+  through `tf.io.gfile`, whose objects appear only when complete.
+
+  Example::
+
+    n = save_file(state, "/ckpts/ckpt-7.flax")
+
+  Args:
+    state: See `save`.
+    path: Destination file.
+
+  Returns:
+    The number of bytes written.
+
+  Raises:
+    TypeError, ValueError, OverflowError: See `save`; nothing is left at `path`.
+    OSError: The file could not be written (e.g. the disk is full); `path` is
+      left as it was.
+  """
+  with storage.atomic_writer(path) as write:
+    return _encode(state, write)
+
+
+def _encode(state: Any, write: Callable[[Any], Any]) -> int:
+  """Encodes `state` through `write` (called with bytes or memoryviews)."""
+  sink = _Sink(write)
+  _Encoder(sink).value(_to_state_dict(state), "")
+  sink.flush()
+  return sink.total
+
+
+class _Sink:
+  """Gathers small msgpack pieces; hands large array buffers through as is."""
+
+  def __init__(self, write: Callable[[Any], Any]):
+    self._write = write
+    self._buffer = bytearray()
+    self.total = 0
+
+  def small(self, data: bytes) -> None:
+    self._buffer += data
+    if len(self._buffer) >= _SMALL_BUFFER:
+      self.flush()
+
+  def large(self, view: memoryview) -> None:
+    self.flush()
+    for start in range(0, len(view), _WRITE_BLOCK):
+      block = view[start:start + _WRITE_BLOCK]
+      self._write(block)
+      self.total += len(block)
+
+  def flush(self) -> None:
+    if self._buffer:
+      self._write(self._buffer)
+      self.total += len(self._buffer)
+      self._buffer = bytearray()
+
+
+class _Encoder:
+  """Walks a state dict and emits the msgpack bytes `to_bytes` would."""
+
+  def __init__(self, sink: _Sink):
+    self._sink = sink
+    self._packer = msgpack.Packer(use_bin_type=True, strict_types=True,
+                                  autoreset=True)
+
+  def value(self, obj: Any, path: str) -> None:
+    kind = type(obj)
+    if kind is dict:
+      self._sink.small(self._packer.pack_map_header(len(obj)))
+      for key, item in obj.items():
+        self._plain(key, path)
+        self.value(item, f"{path}/{key}")
+    elif isinstance(obj, np.ndarray) or _is_jax_array(obj):
+      self._array(obj, path)
+    elif isinstance(obj, np.generic):
+      self._ndarray_ext(_EXT_NPSCALAR, np.asarray(obj), path)
+    elif kind is complex:
+      payload = msgpack.packb((obj.real, obj.imag))
+      self._sink.small(_ext_header(_EXT_COMPLEX, len(payload)) + payload)
+    else:
+      self._plain(obj, path)
+
+  def _plain(self, obj: Any, path: str) -> None:
+    try:
+      self._sink.small(self._packer.pack(obj))
+    except TypeError as e:
+      raise TypeError(f"{e} at {path or '/'}: register its type with "
+                      "flax.serialization or convert it to a supported "
+                      "leaf") from None
+
+  def _array(self, arr: Any, path: str) -> None:
+    arr = np.asarray(arr)  # zero-copy for numpy and CPU jax arrays
+    if arr.size * arr.dtype.itemsize <= CHUNK_BYTES:
+      self._ndarray_ext(_EXT_NDARRAY, arr, path)
+      return
+    # Flax's chunked form for arrays over 1 GiB.
+    chunk = max(1, int(CHUNK_BYTES / arr.dtype.itemsize))
+    flat = _flat_c_order(arr)
+    pack = self._packer.pack
+    self._sink.small(self._packer.pack_map_header(3) + pack(_CHUNKED_KEY) +
+                     pack(True) + pack("shape") +
+                     pack({str(i): d for i, d in enumerate(arr.shape)}) +
+                     pack("chunks"))
+    starts = range(0, flat.size, chunk)
+    self._sink.small(self._packer.pack_map_header(len(starts)))
+    for i, start in enumerate(starts):
+      self._sink.small(pack(str(i)))
+      self._ndarray_ext(_EXT_NDARRAY, flat[start:start + chunk], path)
+
+  def _ndarray_ext(self, code: int, arr: np.ndarray, path: str) -> None:
+    if arr.dtype.hasobject or arr.dtype.isalignedstruct:
+      raise ValueError("Object and structured dtypes not supported for "
+                       f"serialization of ndarrays (at {path or '/'}).")
+    nbytes = arr.size * arr.dtype.itemsize
+    head = (b"\x93" + msgpack.packb(list(arr.shape)) +
+            msgpack.packb(arr.dtype.name) + _bin_header(nbytes))
+    self._sink.small(_ext_header(code, len(head) + nbytes) + head)
+    for block in _c_order_blocks(arr):
+      self._sink.large(block)
+
+
+def _to_state_dict(obj: Any) -> Any:
+  """`flax.serialization.to_state_dict`, without importing Flax for plain trees.
+
+  Dicts, lists and tuples are converted here the way Flax converts them (string
+  keys, lists as {"0": ..., "1": ...}); any other non-leaf object goes through
+  Flax's registry, which is what `to_bytes` does.
+  """
+  kind = type(obj)
+  if kind is dict:
+    keys = [str(k) for k in obj]
+    if len(set(keys)) != len(obj):
+      raise ValueError("Dict keys do not have a unique string representation: "
+                       f"{sorted(set(keys))} vs given keys {list(obj)}")
+    return {k: _to_state_dict(v) for k, v in zip(keys, obj.values())}
+  if (kind is list or kind is tuple) and not hasattr(obj, "_fields"):
+    return {str(i): _to_state_dict(v) for i, v in enumerate(obj)}
+  if (kind in _PLAIN_LEAVES or isinstance(obj, (np.ndarray, np.generic)) or
+      _is_jax_array(obj)):
+    return obj
+  serialization = _flax_serialization()
+  if serialization is None:
+    return obj  # the encoder reports it as an unsupported leaf
+  converted = serialization.to_state_dict(obj)
+  return obj if converted is obj else _to_state_dict(converted)
+
+
+def _flax_serialization():
+  try:
+    from flax import serialization  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return serialization
+
+
+def _is_jax_array(obj: Any) -> bool:
+  jax = sys.modules.get("jax")
+  return jax is not None and isinstance(obj, jax.Array)
+
+
+def _flat_c_order(arr: np.ndarray) -> np.ndarray:
+  """A 1-D C-order view of `arr` (a copy only if `arr` is not C-contiguous)."""
+  return arr.reshape(-1) if arr.flags.c_contiguous else np.ravel(arr, "C")
+
+
+def _c_order_blocks(arr: np.ndarray) -> Iterator[memoryview]:
+  """Yields the C-order bytes of `arr` as memoryviews, copying at most a block.
+
+  C-contiguous arrays yield one view of their own buffer. Others (Fortran
+  order, strided views) are copied a slab of rows at a time, so memory stays
+  bounded by `_WRITE_BLOCK`.
+  """
+  if arr.size == 0:
+    return
+  if arr.flags.c_contiguous:
+    yield _byte_view(arr)
+    return
+  rows = arr.reshape((1,) + arr.shape) if arr.ndim == 0 else arr
+  row_bytes = max(1, rows[0].size * rows.dtype.itemsize)
+  step = max(1, _WRITE_BLOCK // row_bytes)
+  for start in range(0, rows.shape[0], step):
+    yield _byte_view(np.ascontiguousarray(rows[start:start + step]))
+
+
+def _byte_view(arr: np.ndarray) -> memoryview:
+  return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def _bin_header(n: int) -> bytes:
+  if n < 2**8:
+    return struct.pack(">BB", 0xC4, n)
+  if n < 2**16:
+    return struct.pack(">BH", 0xC5, n)
+  return struct.pack(">BI", 0xC6, n)
+
+
+_FIXEXT = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+
+
+def _ext_header(code: int, n: int) -> bytes:
+  if n in _FIXEXT:
+    return struct.pack(">BB", _FIXEXT[n], code)
+  if n < 2**8:
+    return struct.pack(">BBB", 0xC7, n, code)
+  if n < 2**16:
+    return struct.pack(">BHB", 0xC8, n, code)
+  if n < 2**32:
+    return struct.pack(">BIB", 0xC9, n, code)
+  raise ValueError(f"ext payload of {n} bytes exceeds msgpack's 4 GiB limit")
+
+
+# --------------------------------------------------------------------------
+# Reading.
+# --------------------------------------------------------------------------
+
+
+def load(data: Any, *, writable: bool = False, subtree: Subtree = None,
+         name: Optional[str] = None) -> Any:
+  """Decodes Flax msgpack bytes, like `flax.serialization.msgpack_restore`.
+
+  Example::
+
+    state_dict = load(open("ckpt-1.flax", "rb").read())
+
+  Args:
+    data: bytes, bytearray, memoryview, mmap or any buffer.
+    writable: Return arrays that own writable memory (copies) instead of
+      read-only views of `data`.
+    subtree: Return only this subtree: a "/"-separated path ("params/Dense_0")
+      or a sequence of keys. Other values are skipped without being decoded.
+    name: How to name `data` in error messages (e.g. its file).
+
+  Returns:
+    The state dict: dicts, lists, python scalars, numpy arrays and scalars.
+
+  Raises:
+    FlaxFormatError: The bytes are not a valid encoding, or `subtree` is not
+      in them.
+  """
+  reader = _Reader(data, name, writable)
+  return reader.root(_subtree_keys(subtree))
+
+
+def load_file(path: str, *, writable: bool = False,
+              subtree: Subtree = None) -> Any:
+  """Reads a `.flax` file, memory-mapped: arrays are views of the file.
+
+  Array leaves are read-only numpy views of the mapping (their data is read
+  from disk only when touched), except with `writable=True`, and except arrays
+  in Flax's chunked form, which are reassembled into new memory. Views may be
+  unaligned; numpy handles that, and `jax.device_put` copies them anyway. The
+  file is unmapped when the last view is gone. Remote paths are read whole
+  through `tf.io.gfile`.
+
+  Example::
+
+    params = load_file("/ckpts/ckpt-7.flax", subtree="params")
+
+  Args:
+    path: The `.flax` file.
+    writable: See `load`.
+    subtree: See `load`.
+
+  Returns:
+    See `load`.
+
+  Raises:
+    FileNotFoundError: `path` does not exist.
+    FlaxFormatError: The file is truncated, corrupt or not a Flax checkpoint.
+  """
+  return load(_open(path), writable=writable, subtree=subtree, name=path)
+
+
+def inspect_file(path: str) -> list[LeafInfo]:
+  """Lists the leaves of a `.flax` file from its headers alone.
+
+  No array data is read: only the msgpack headers are parsed, so this is fast
+  on files of any size.
+
+  Example::
+
+    total = sum(leaf.nbytes for leaf in inspect_file("ckpt-7.flax"))
+
+  Args:
+    path: The `.flax` file.
+
+  Returns:
+    One `LeafInfo` per leaf, in file order.
+
+  Raises:
+    FileNotFoundError: `path` does not exist.
+    FlaxFormatError: The file is truncated, corrupt or not a Flax checkpoint.
+  """
+  reader = _Reader(_open(path), path, writable=False)
+  return reader.leaves()
+
+
+def inspect(data: Any, name: Optional[str] = None) -> list[LeafInfo]:
+  """`inspect_file` for bytes already in memory."""
+  return _Reader(data, name, writable=False).leaves()
+
+
+def _open(path: str) -> Any:
+  buffer = storage.map_file(path)
+  if len(buffer) == 0:
+    raise FlaxFormatError("empty file", path, 0)
+  return buffer
+
+
+def _subtree_keys(subtree: Subtree) -> tuple:
+  if subtree is None:
+    return ()
+  if isinstance(subtree, str):
+    return tuple(k for k in subtree.split("/") if k)
+  return tuple(subtree)
+
+
+_U8 = struct.Struct(">B")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_I8 = struct.Struct(">b")
+_I16 = struct.Struct(">h")
+_I32 = struct.Struct(">i")
+_I64 = struct.Struct(">q")
+_F32 = struct.Struct(">f")
+_F64 = struct.Struct(">d")
+_FIXED_INTS = {0xCC: _U8, 0xCD: _U16, 0xCE: _U32, 0xCF: _U64,
+               0xD0: _I8, 0xD1: _I16, 0xD2: _I32, 0xD3: _I64}
+_LENGTHS = {0: None, 1: _U8, 2: _U16, 4: _U32}
+
+
+class _Reader:
+  """A bounded msgpack parser over a buffer, producing Flax's state dicts."""
+
+  def __init__(self, data: Any, name: Optional[str], writable: bool):
+    self._buf = data
+    self._view = memoryview(data).cast("B") if not isinstance(
+        data, memoryview) else data.cast("B")
+    self._end = len(self._view)
+    self._name = name
+    self._writable = writable
+    self._pos = 0
+
+  # -- entry points ---------------------------------------------------------
+
+  def root(self, keys: tuple) -> Any:
+    if keys:
+      value = self._descend(keys)
+    else:
+      value = self._value(0)
+      self._expect_end()
+    return _unchunk(value, self)
+
+  def leaves(self) -> list[LeafInfo]:
+    out: list[LeafInfo] = []
+    self._describe("", 0, out)
+    self._expect_end()
+    return out
+
+  # -- errors and primitives -------------------------------------------------
+
+  def error(self, message: str, offset: Optional[int] = None) -> FlaxFormatError:
+    return FlaxFormatError(message, self._name,
+                           self._pos if offset is None else offset)
+
+  def _take(self, n: int) -> int:
+    """Reserves `n` bytes at the cursor; returns their start offset."""
+    start = self._pos
+    if n < 0 or n > self._end - start:
+      raise self.error(f"truncated: {n} bytes declared, "
+                       f"{self._end - start} left in the file")
+    self._pos = start + n
+    return start
+
+  def _unpack(self, fmt: struct.Struct) -> Any:
+    start = self._take(fmt.size)
+    return fmt.unpack_from(self._view, start)[0]
+
+  def _expect_end(self) -> None:
+    if self._pos != self._end:
+      raise self.error(f"{self._end - self._pos} bytes of extra data after "
+                       "the checkpoint")
+
+  # -- the grammar -------------------------------------------------------------
+
+  def _header(self) -> tuple[str, int, int]:
+    """Reads a type byte and its length/size field.
+
+    Returns:
+      (kind, n, offset): kind is one of "int", "nil", "false", "true",
+      "float32", "float64", "str", "bin", "array", "map", "ext", "fixed-int";
+      n is the length (or the value for fixints, the struct for fixed ints).
+    """
+    offset = self._pos
+    tag = self._unpack(_U8)
+    if tag <= 0x7F:
+      return "int", tag, offset
+    if tag >= 0xE0:
+      return "int", tag - 0x100, offset
+    if 0x80 <= tag <= 0x8F:
+      return "map", tag & 0x0F, offset
+    if 0x90 <= tag <= 0x9F:
+      return "array", tag & 0x0F, offset
+    if 0xA0 <= tag <= 0xBF:
+      return "str", tag & 0x1F, offset
+    if tag in _FIXED_INTS:
+      return "int", self._unpack(_FIXED_INTS[tag]), offset
+    simple = {0xC0: "nil", 0xC2: "false", 0xC3: "true"}
+    if tag in simple:
+      return simple[tag], 0, offset
+    if tag == 0xCA:
+      return "float", self._unpack(_F32), offset
+    if tag == 0xCB:
+      return "float", self._unpack(_F64), offset
+    sized = {0xC4: ("bin", _U8), 0xC5: ("bin", _U16), 0xC6: ("bin", _U32),
+             0xD9: ("str", _U8), 0xDA: ("str", _U16), 0xDB: ("str", _U32),
+             0xDC: ("array", _U16), 0xDD: ("array", _U32),
+             0xDE: ("map", _U16), 0xDF: ("map", _U32),
+             0xC7: ("ext", _U8), 0xC8: ("ext", _U16), 0xC9: ("ext", _U32)}
+    if tag in sized:
+      kind, fmt = sized[tag]
+      return kind, self._unpack(fmt), offset
+    if 0xD4 <= tag <= 0xD8:
+      return "ext", 1 << (tag - 0xD4), offset
+    raise self.error(f"invalid msgpack type byte 0x{tag:02x}", offset)
+
+  def _value(self, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+      raise self.error(f"nesting deeper than {MAX_DEPTH} levels")
+    kind, n, offset = self._header()
+    if kind in ("int", "float"):
+      return n
+    if kind == "nil":
+      return None
+    if kind in ("true", "false"):
+      return kind == "true"
+    if kind == "str":
+      return self._str(n, offset)
+    if kind == "bin":
+      start = self._take(n)
+      return bytes(self._view[start:start + n])
+    if kind == "array":
+      self._check_count(n, 1)
+      return [self._value(depth + 1) for _ in range(n)]
+    if kind == "map":
+      self._check_count(n, 2)
+      out = {}
+      for _ in range(n):
+        key = self._key(depth)
+        out[key] = self._value(depth + 1)
+      return out
+    return self._ext(n, offset)
+
+  def _check_count(self, n: int, min_bytes: int) -> None:
+    # Every element takes at least `min_bytes`: refuse counts the file cannot
+    # hold before building anything.
+    if n * min_bytes > self._end - self._pos:
+      raise self.error(f"truncated: {n} elements declared, "
+                       f"{self._end - self._pos} bytes left in the file")
+
+  def _key(self, depth: int) -> Any:
+    offset = self._pos
+    key = self._value(depth + 1)
+    if isinstance(key, (list, dict, np.ndarray, np.generic)):
+      raise self.error(f"map key of type {type(key).__name__}", offset)
+    return key
+
+  def _str(self, n: int, offset: int) -> str:
+    start = self._take(n)
+    try:
+      return str(self._view[start:start + n], "utf-8")
+    except UnicodeDecodeError as e:
+      raise self.error(f"invalid UTF-8 in string: {e.reason}", offset) from None
+
+  def _ext(self, n: int, offset: int) -> Any:
+    code = self._unpack(_I8)
+    start = self._take(n)
+    if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
+      arr = self._ndarray(start, start + n, offset)
+      return arr[()] if code == _EXT_NPSCALAR else arr
+    if code == _EXT_COMPLEX:
+      parts = self._sub(start, start + n)._value(MAX_DEPTH - 1)
+      if (not isinstance(parts, list) or len(parts) != 2 or
+          not all(isinstance(p, (int, float)) and not isinstance(p, bool)
+                  for p in parts)):
+        raise self.error("complex ext does not hold (real, imag)", offset)
+      return complex(parts[0], parts[1])
+    raise self.error(f"unknown msgpack ext type {code}", offset)
+
+  def _sub(self, start: int, end: int) -> "_Reader":
+    sub = _Reader.__new__(_Reader)
+    sub.__dict__.update(self.__dict__)
+    sub._pos, sub._end = start, end
+    return sub
+
+  def _ndarray_parts(self, start: int, end: int,
+                     offset: int) -> tuple[tuple, np.dtype, int, int]:
+    """Parses an ndarray ext payload: (shape, dtype, data offset, data size)."""
+    sub = self._sub(start, end)
+    kind, n, _ = sub._header()
+    if kind != "array" or n != 3:
+      raise self.error("ndarray ext is not a (shape, dtype, data) triple",
+                       offset)
+    kind, ndim, shape_at = sub._header()
+    if kind != "array" or ndim > MAX_NDIM:
+      raise self.error("ndarray shape is not a list of at most "
+                       f"{MAX_NDIM} sizes", shape_at)
+    shape = []
+    for _ in range(ndim):
+      kind, dim, dim_at = sub._header()
+      if kind != "int" or dim < 0:
+        raise self.error("ndarray shape holds a non-size value", dim_at)
+      shape.append(dim)
+    kind, n, name_at = sub._header()
+    if kind not in ("str", "bin"):
+      raise self.error("ndarray dtype name is not a string", name_at)
+    name_start = sub._take(n)
+    dtype = self._dtype(bytes(self._view[name_start:name_start + n]), name_at)
+    kind, n, data_at = sub._header()
+    if kind not in ("bin", "str"):
+      raise self.error("ndarray data is not a byte string", data_at)
+    data_start = sub._take(n)
+    if sub._pos != end:
+      raise self.error("ndarray ext has trailing bytes", offset)
+    count = 1
+    for dim in shape:
+      count *= dim
+    if count * dtype.itemsize != n:
+      raise self.error(f"ndarray of shape {tuple(shape)} and dtype "
+                       f"{dtype.name} needs {count * dtype.itemsize} bytes, "
+                       f"the file holds {n}", data_at)
+    return tuple(shape), dtype, data_start, count
+
+  def _ndarray(self, start: int, end: int, offset: int) -> np.ndarray:
+    shape, dtype, data_start, count = self._ndarray_parts(start, end, offset)
+    arr = np.frombuffer(self._buf, dtype=dtype, count=count,
+                        offset=data_start).reshape(shape)
+    return arr.copy() if self._writable else arr
+
+  def _dtype(self, raw: bytes, offset: int) -> np.dtype:
+    dtype = _dtype_from_name(raw)
+    if dtype is None:
+      raise self.error(f"unknown dtype name {raw[:40]!r}", offset)
+    if dtype.hasobject or dtype.itemsize == 0 or dtype.fields is not None:
+      raise self.error(f"unsupported dtype {dtype}", offset)
+    return dtype
+
+  # -- partial reads -------------------------------------------------------------
+
+  def _skip(self, depth: int) -> None:
+    """Moves past one value without building it (array data is not read)."""
+    if depth > MAX_DEPTH:
+      raise self.error(f"nesting deeper than {MAX_DEPTH} levels")
+    kind, n, _ = self._header()
+    if kind in ("str", "bin"):
+      self._take(n)
+    elif kind == "ext":
+      self._take(1 + n)
+    elif kind in ("array", "map"):
+      per = 2 if kind == "map" else 1
+      self._check_count(n, per)
+      for _ in range(n * per):
+        self._skip(depth + 1)
+
+  def _descend(self, keys: tuple) -> Any:
+    found = None
+    for depth, key in enumerate(keys):
+      kind, n, offset = self._header()
+      where = "/" + "/".join(keys[:depth])
+      if kind != "map":
+        raise self.error(f"no subtree {'/'.join(keys)!r}: {where} is not a "
+                         "map", offset)
+      self._check_count(n, 2)
+      for _ in range(n):
+        if self._key(depth) == key:
+          break
+        self._skip(depth + 1)
+      else:
+        raise self.error(f"no subtree {'/'.join(keys)!r}: {where} has no key "
+                         f"{key!r}", offset)
+      if depth == len(keys) - 1:
+        found = self._value(depth + 1)
+    return found
+
+  def _describe(self, path: str, depth: int, out: list) -> None:
+    if depth > MAX_DEPTH:
+      raise self.error(f"nesting deeper than {MAX_DEPTH} levels")
+    at = self._pos
+    kind, n, offset = self._header()
+    if kind == "map":
+      self._check_count(n, 2)
+      keys_at, described = self._pos, len(out)
+      items = []
+      for _ in range(n):
+        items.append(self._key(depth))
+        if items[-1] == _CHUNKED_KEY:
+          break
+        self._describe(f"{path}/{items[-1]}", depth + 1, out)
+      if items and items[-1] == _CHUNKED_KEY:
+        self._pos = keys_at
+        del out[described:]
+        out.append(self._describe_chunked(path, n, depth, offset))
+      return
+    if kind == "ext":
+      code = self._unpack(_I8)
+      start = self._take(n)
+      if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
+        shape, dtype, data_at, count = self._ndarray_parts(start, start + n,
+                                                           offset)
+        out.append(LeafInfo(path, "ndarray" if code == _EXT_NDARRAY else
+                            "npscalar", dtype.name, shape,
+                            count * dtype.itemsize, data_at))
+        return
+      self._pos = at
+      self._value(depth)
+      out.append(LeafInfo(path, "complex", None, None, 0, at))
+      return
+    self._pos = at
+    value = self._value(depth)
+    names = {type(None): "none", bool: "bool", int: "int", float: "float",
+             str: "str", bytes: "bytes", list: "list"}
+    out.append(LeafInfo(path, names.get(type(value), type(value).__name__),
+                        None, None, 0, at))
+
+  def _describe_chunked(self, path: str, n: int, depth: int,
+                        offset: int) -> LeafInfo:
+    chunked = {}
+    for _ in range(n):
+      key = self._key(depth)
+      if key == "chunks":
+        kind, count, chunks_at = self._header()
+        if kind != "map":
+          raise self.error("chunked array 'chunks' is not a map", chunks_at)
+        self._check_count(count, 2)
+        infos = []
+        for _ in range(count):
+          self._key(depth + 1)
+          sub: list = []
+          self._describe(path, depth + 2, sub)
+          infos.extend(sub)
+        chunked[key] = infos
+      else:
+        chunked[key] = self._value(depth + 1)
+    infos = chunked.get("chunks") or []
+    shape = _chunked_shape(chunked.get("shape"))
+    if shape is None or not infos or any(i.kind != "ndarray" for i in infos):
+      raise self.error("malformed chunked array", offset)
+    return LeafInfo(path, "ndarray", infos[0].dtype, shape,
+                    sum(i.nbytes for i in infos), infos[0].offset)
+
+
+def _chunked_shape(shape: Any) -> Optional[tuple]:
+  if not isinstance(shape, dict):
+    return None
+  try:
+    dims = tuple(shape[str(i)] for i in range(len(shape)))
+  except KeyError:
+    return None
+  if not all(type(d) is int and d >= 0 for d in dims):
+    return None
+  return dims
+
+
+def _unchunk(value: Any, reader: _Reader) -> Any:
+  """Reassembles Flax's chunked arrays, like `msgpack_restore` does."""
+  if not isinstance(value, dict):
+    return value
+  if _CHUNKED_KEY in value:
+    return _join_chunks(value, reader)
+  for key, item in value.items():
+    if isinstance(item, dict):
+      value[key] = _unchunk(item, reader)
+  return value
+
+
+def _join_chunks(value: dict, reader: _Reader) -> np.ndarray:
+  shape = _chunked_shape(value.get("shape"))
+  chunks = value.get("chunks")
+  if shape is None or not isinstance(chunks, dict):
+    raise reader.error("malformed chunked array", None)
+  try:
+    parts = [chunks[str(i)] for i in range(len(chunks))]
+  except KeyError:
+    raise reader.error("chunked array is missing a chunk", None) from None
+  if not parts or not all(isinstance(p, np.ndarray) and p.ndim == 1 and
+                          p.dtype == parts[0].dtype for p in parts):
+    raise reader.error("chunked array chunks are not 1-D arrays of one dtype",
+                       None)
+  total = sum(p.size for p in parts)
+  count = 1
+  for dim in shape:
+    count *= dim
+  if total != count:
+    raise reader.error(f"chunked array of shape {shape} has {total} elements",
+                       None)
+  return np.concatenate(parts).reshape(shape)
+
+
+_DTYPE_CACHE: dict[bytes, Optional[np.dtype]] = {}
+
+
+def _dtype_from_name(raw: bytes) -> Optional[np.dtype]:
+  """numpy dtype for a Flax dtype name (`dtype.name`), or None.
+
+  Handles the ml_dtypes names (bfloat16, float8_*, int4, ...) and the names
+  numpy gives flexible dtypes ("str128", "bytes8") but cannot parse back.
+  """
+  if raw in _DTYPE_CACHE:
+    return _DTYPE_CACHE[raw]
+  dtype = None
+  try:
+    name = raw.decode("ascii")
+  except UnicodeDecodeError:
+    name = ""
+  if name and len(name) <= 32 and all(c.isalnum() or c in "_[]" for c in name):
+    dtype = _parse_dtype_name(name)
+  _DTYPE_CACHE[raw] = dtype
+  return dtype
+
+
+def _parse_dtype_name(name: str) -> Optional[np.dtype]:
+  for prefix, code, bits in (("str", "U", 32), ("bytes", "S", 8),
+                             ("void", "V", 8)):
+    if name.startswith(prefix) and name[len(prefix):].isdigit():
+      size = int(name[len(prefix):])
+      return np.dtype(f"{code}{size // bits}") if size % bits == 0 else None
+  try:
+    return np.dtype(name)
+  except TypeError:
+    pass
+  try:
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  kind = getattr(ml_dtypes, name, None)
+  try:
+    return np.dtype(kind) if isinstance(kind, type) else None
+  except TypeError:
+    return None

@@ -1,0 +1,364 @@
+"""File-system access for checkpoints: local fast paths, `tf.io.gfile` for URLs.
+
+Local paths (and `file://` URLs) are handled with the os module: memory maps
+for reading, temporary file + fsync + rename for writing. Any other
+`scheme://` path (`gs://...`) goes through `tf.io.gfile`, imported only then.
+
+It also reads the `checkpoint` state file that `tf.train.CheckpointManager`
+keeps beside its checkpoints, without TensorFlow, so the latest checkpoint of a
+directory can be found in an environment that does not have it.
+
+Synopsis::
+
+  from clu_ckpt import storage
+
+  with storage.atomic_writer("/ckpts/ckpt-3.flax") as write:
+    write(b"...")
+  buf = storage.map_file("/ckpts/ckpt-3.flax")
+  state = storage.read_checkpoint_state("/ckpts")
+  state.model_checkpoint_path   # "/ckpts/ckpt-3"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob as globlib
+import mmap
+import os
+import re
+import time
+import uuid
+from typing import Any, Callable, Iterator, Optional
+
+from absl import logging
+
+_SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+)://", re.I)
+
+TF_INSTALL_HINT = (
+    "TensorFlow is required for this: install it with `pip install "
+    "tensorflow-cpu` (or `pip install clu_ckpt[tf]`).")
+
+
+def is_local(path: str) -> bool:
+  """True for plain paths and `file://` URLs."""
+  m = _SCHEME_RE.match(path)
+  return m is None or m.group("scheme").lower() == "file"
+
+
+def _local(path: str) -> str:
+  return path[len("file://"):] if path.lower().startswith("file://") else path
+
+
+def gfile():
+  """`tf.io.gfile`, imported on first use; a clear ImportError without TF."""
+  try:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(TF_INSTALL_HINT) from e
+  return tf.io.gfile
+
+
+def exists(path: str) -> bool:
+  if is_local(path):
+    return os.path.exists(_local(path))
+  return gfile().exists(path)
+
+
+def isdir(path: str) -> bool:
+  if is_local(path):
+    return os.path.isdir(_local(path))
+  return gfile().isdir(path)
+
+
+def glob(pattern: str) -> list[str]:
+  """Paths matching `pattern` (`*`, `?`, `[...]`), sorted."""
+  if is_local(pattern):
+    return sorted(globlib.glob(_local(pattern)))
+  return sorted(gfile().glob(pattern))
+
+
+def listdir(path: str) -> list[str]:
+  if is_local(path):
+    return sorted(os.listdir(_local(path)))
+  return sorted(p.rstrip("/") for p in gfile().listdir(path))
+
+
+def makedirs(path: str) -> None:
+  if is_local(path):
+    os.makedirs(_local(path), exist_ok=True)
+  else:
+    gfile().makedirs(path)
+
+
+def remove(path: str) -> None:
+  """Removes a file; a file that is already gone is not an error."""
+  try:
+    if is_local(path):
+      os.remove(_local(path))
+    else:
+      gfile().remove(path)
+  except FileNotFoundError:
+    pass
+  except Exception as e:  # pylint: disable=broad-except
+    if type(e).__name__ != "NotFoundError":  # tf.errors.NotFoundError
+      raise
+
+
+def stat(path: str) -> tuple[int, float]:
+  """(size in bytes, modification time) of a file."""
+  if is_local(path):
+    st = os.stat(_local(path))
+    return st.st_size, st.st_mtime
+  st = gfile().stat(path)
+  return st.length, st.mtime_nsec / 1e9
+
+
+def read_bytes(path: str) -> bytes:
+  if is_local(path):
+    with open(_local(path), "rb") as f:
+      return f.read()
+  with gfile().GFile(path, "rb") as f:
+    return f.read()
+
+
+def map_file(path: str) -> Any:
+  """The content of a file as a read-only buffer, memory-mapped when local.
+
+  Args:
+    path: The file.
+
+  Returns:
+    An `mmap.mmap` (local, non-empty files), else `bytes`.
+
+  Raises:
+    FileNotFoundError: `path` does not exist.
+  """
+  if not is_local(path):
+    if not gfile().exists(path):
+      raise FileNotFoundError(f"No such file: {path}")
+    return read_bytes(path)
+  with open(_local(path), "rb") as f:
+    if os.fstat(f.fileno()).st_size == 0:
+      return b""
+    return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str) -> Iterator[Callable[[Any], None]]:
+  """Yields a `write(bytes_like)` function whose output appears at `path` whole.
+
+  Locally the data goes to `<path>.tmp-<unique>` in the same directory, is
+  flushed to disk (fsync), and is renamed over `path`; the directory is then
+  fsynced so the rename itself survives a power cut. If the block raises, the
+  temporary file is removed and `path` is untouched. Remote objects
+  (`gs://...`) are written through `tf.io.gfile`, which publishes them only
+  when closed.
+
+  Example::
+
+    with atomic_writer("/ckpts/ckpt-3.flax") as write:
+      write(header)
+      write(memoryview(array))
+
+  Args:
+    path: Final destination.
+
+  Yields:
+    The write function.
+  """
+  if not is_local(path):
+    with gfile().GFile(path, "wb") as f:
+      yield lambda data: f.write(bytes(data))
+    return
+  final = _local(path)
+  tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+  try:
+    yield lambda data: _write_all(fd, data)
+    os.fsync(fd)
+  except BaseException:
+    os.close(fd)
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+  os.close(fd)
+  try:
+    os.replace(tmp, final)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
+  fsync_directory(os.path.dirname(final) or ".")
+
+
+def _write_all(fd: int, data: Any) -> None:
+  view = memoryview(data)
+  while view:
+    n = os.write(fd, view)
+    view = view[n:]
+
+
+def fsync_directory(directory: str) -> None:
+  """Makes renames and deletions in a local directory durable."""
+  try:
+    fd = os.open(directory, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass  # some file systems cannot fsync a directory
+  finally:
+    os.close(fd)
+
+
+# --------------------------------------------------------------------------
+# TensorFlow's `checkpoint` state file (a text-format CheckpointState proto).
+# --------------------------------------------------------------------------
+
+STATE_FILENAME = "checkpoint"
+
+
+@dataclasses.dataclass
+class CheckpointState:
+  """What TensorFlow's `checkpoint` state file says about a directory.
+
+  Paths are joined with the directory when relative, as TensorFlow does.
+  """
+  model_checkpoint_path: str
+  all_model_checkpoint_paths: list[str]
+  all_model_checkpoint_timestamps: list[float]
+  last_preserved_timestamp: float
+
+  def managed_checkpoints(self, now: Optional[float] = None) -> list[str]:
+    """The checkpoints a fresh `tf.train.CheckpointManager` would list.
+
+    `CheckpointManager.checkpoints` keeps only paths whose timestamp is newer
+    than `last_preserved_timestamp` (timestamps from the future count as now);
+    files without timestamps list nothing.
+
+    Args:
+      now: The current time (default `time.time()`).
+
+    Returns:
+      Checkpoint prefixes, oldest first.
+    """
+    now = time.time() if now is None else now
+    last = min(self.last_preserved_timestamp, now)
+    stamps = self.all_model_checkpoint_timestamps or (
+        [last] * len(self.all_model_checkpoint_paths))
+    return [p for p, t in zip(self.all_model_checkpoint_paths, stamps)
+            if min(t, now) > last]
+
+
+def read_checkpoint_state(directory: str) -> Optional[CheckpointState]:
+  """Parses `<directory>/checkpoint` like `tf.train.get_checkpoint_state`.
+
+  Args:
+    directory: A checkpoint directory.
+
+  Returns:
+    The state, or None when the file is missing or cannot be parsed (which
+    TensorFlow, too, treats as "no checkpoint", with a warning).
+
+  Raises:
+    ValueError: The file parses but names no `model_checkpoint_path`.
+  """
+  path = join(directory, STATE_FILENAME)
+  if not exists(path):
+    return None
+  try:
+    text = read_bytes(path).decode("utf-8")
+  except FileNotFoundError:
+    return None
+  except (OSError, UnicodeDecodeError) as e:
+    logging.warning("%s: %s; checkpoint state ignored", path, e)
+    return None
+  try:
+    fields = _parse_text_proto(text)
+  except ValueError as e:
+    logging.warning("%s: %s; checkpoint state ignored", path, e)
+    return None
+  latest = (fields.get("model_checkpoint_path") or [""])[-1]
+  if not latest:
+    raise ValueError(f"Invalid checkpoint state loaded from {directory}")
+  absolute = lambda p: p if os.path.isabs(p) else os.path.join(directory, p)
+  return CheckpointState(
+      model_checkpoint_path=absolute(latest),
+      all_model_checkpoint_paths=[
+          absolute(p) for p in fields.get("all_model_checkpoint_paths", [])],
+      all_model_checkpoint_timestamps=[
+          float(t) for t in fields.get("all_model_checkpoint_timestamps", [])],
+      last_preserved_timestamp=float(
+          (fields.get("last_preserved_timestamp") or [0.0])[-1]),
+  )
+
+
+def join(directory: str, name: str) -> str:
+  return os.path.join(directory, name)
+
+
+_FIELD_RE = re.compile(
+    r'\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*'
+    r'("(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'|[-+0-9.eEinfINFa]+)\s*;?')
+_STRING_FIELDS = ("model_checkpoint_path", "all_model_checkpoint_paths")
+_FLOAT_FIELDS = ("all_model_checkpoint_timestamps", "last_preserved_timestamp")
+
+
+def _parse_text_proto(text: str) -> dict[str, list]:
+  """Parses the flat text proto of a CheckpointState into field -> values."""
+  fields: dict[str, list] = {}
+  pos = 0
+  text = re.sub(r"#[^\n]*", "", text)
+  while pos < len(text):
+    if text[pos:].strip() == "":
+      break
+    m = _FIELD_RE.match(text, pos)
+    if m is None:
+      raise ValueError(f"cannot parse text proto near {text[pos:pos + 40]!r}")
+    name, raw = m.group(1), m.group(2)
+    if name in _STRING_FIELDS:
+      if raw[0] not in "\"'":
+        raise ValueError(f"field {name} expects a string, got {raw!r}")
+      value: Any = _unescape(raw[1:-1])
+    elif name in _FLOAT_FIELDS:
+      value = float(raw)
+    else:
+      raise ValueError(f"unknown field {name!r}")
+    fields.setdefault(name, []).append(value)
+    pos = m.end()
+  return fields
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", "'": "'", '"': '"',
+            "a": "\a", "b": "\b", "f": "\f", "v": "\v", "?": "?"}
+
+
+def _unescape(s: str) -> str:
+  """C-style unescaping as protobuf's text format writes it (UTF-8 bytes)."""
+  out = bytearray()
+  i = 0
+  while i < len(s):
+    c = s[i]
+    if c != "\\":
+      out += c.encode("utf-8")
+      i += 1
+      continue
+    nxt = s[i + 1]
+    if nxt in _ESCAPES:
+      out += _ESCAPES[nxt].encode()
+      i += 2
+    elif nxt in "01234567":
+      m = re.match(r"[0-7]{1,3}", s[i + 1:])
+      out.append(int(m.group(0), 8) & 0xFF)
+      i += 1 + len(m.group(0))
+    elif nxt in "xX":
+      m = re.match(r"[0-9a-fA-F]{1,2}", s[i + 2:])
+      if m is None:
+        raise ValueError(f"bad escape in {s!r}")
+      out.append(int(m.group(0), 16))
+      i += 2 + len(m.group(0))
+    else:
+      raise ValueError(f"bad escape in {s!r}")
+  return out.decode("utf-8", errors="surrogateescape")

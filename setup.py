@@ -1,0 +1,66 @@
+"""Installs clu_ckpt.
+
+Reading checkpoints needs only numpy, msgpack and ml_dtypes. Writing them
+through the CLU-compatible classes needs TensorFlow (for the tf.data iterator
+state and the `checkpoint` bookkeeping): `pip install clu_ckpt[tf]`.
+"""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+_VERSION = re.search(
+    r'^__version__ = "([^"]+)"',
+    (Path(__file__).parent / "clu_ckpt" / "__init__.py").read_text(),
+    re.M,
+).group(1)
+
+_TF = ["tensorflow-cpu>=2.16"]
+_JAX = ["jax>=0.4.30", "flax>=0.8"]
+_ORBAX = ["orbax-checkpoint>=0.11", "tensorstore>=0.1.60"]
+
+setup(
+    name="clu_ckpt",
+    version=_VERSION,
+    description=(
+        "Drop-in, fast clu.checkpoint and a lossless bridge from CLU/Flax "
+        "checkpoints to Orbax on TensorStore."
+    ),
+    long_description=(Path(__file__).parent / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["clu_ckpt", "clu_ckpt.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy>=1.24",
+        "msgpack>=1.0",
+        "ml_dtypes>=0.3",
+        "absl-py>=1.0",
+    ],
+    extras_require={
+        "tf": _TF,
+        "jax": _JAX,
+        "orbax": _JAX + _ORBAX,
+        "all": _TF + _JAX + _ORBAX,
+        # The test run pins the versions the golden fixtures in
+        # ../shared/fixtures/clu-0.0.12 were written with, and installs the real
+        # clu as the compatibility oracle.
+        "test": [
+            "tensorflow-cpu==2.21.0",
+            "jax==0.10.2",
+            "jaxlib==0.10.2",
+            "flax==0.12.8",
+            "clu==0.0.12",
+            "orbax-checkpoint==0.12.8",
+            "tensorstore==0.1.86",
+            "pytest>=7",
+            "hypothesis>=6",
+            "psutil>=5",
+        ],
+    },
+    entry_points={"console_scripts": ["clu-ckpt=clu_ckpt.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+    ],
+)
