@@ -1,0 +1,363 @@
+"""What a checkpoint directory holds, and whether it is sound: `inspect`, `verify`.
+
+Works from file names, TensorFlow's `checkpoint` state file and the `.flax`
+headers only: no TensorFlow, no JAX, and no array bytes are read by `inspect`.
+
+Synopsis::
+
+  from clu_ckpt import inspection
+
+  report = inspection.inspect_path("/work/ckpts")      # a dict, JSON-ready
+  print(inspection.format_inspect(report))
+  problems = inspection.verify_path("/work/ckpts")["problems"]   # [] if sound
+
+Paths understood: a `Checkpoint` base directory, a `MultihostCheckpoint` base
+(`<base>-0`, `<base>-1`, ... beside it), a single `.flax` file.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import re
+from typing import Any, Optional
+
+from clu_ckpt import flax_format
+from clu_ckpt import storage
+
+_FLAX_RE = re.compile(r"^(?P<name>.+)-(?P<number>\d+)\.flax$")
+
+
+# --------------------------------------------------------------------------
+# Finding checkpoints.
+# --------------------------------------------------------------------------
+
+
+def host_directories(base: str) -> dict[int, str]:
+  """Host id -> directory for `<base>-<int>` directories (a multihost base)."""
+  base = base.rstrip("/")
+  prefix = f"{base}-"
+  found = {}
+  pattern = re.sub(r"([*?\[])", r"[\1]", prefix) + "*"
+  for path in storage.glob(pattern):
+    suffix = path[len(prefix):]
+    if suffix.isdigit() and storage.isdir(path):
+      found[int(suffix)] = path
+  return dict(sorted(found.items()))
+
+
+def list_checkpoints(directory: str) -> list[dict[str, Any]]:
+  """Every numbered `.flax` in a CLU directory, committed or not.
+
+  Args:
+    directory: A `Checkpoint` base directory.
+
+  Returns:
+    One dict per `<name>-<number>.flax`, sorted by name and number: `name`,
+    `number`, `prefix` (path without extension), `committed` (listed in TF's
+    `checkpoint` file with its `.index` present), `latest`, `flax_bytes`,
+    `tf_bytes`, `mtime` (ISO 8601, UTC) and `tf_files`.
+  """
+  state = storage.read_checkpoint_state(directory)
+  committed = set(state.all_model_checkpoint_paths) if state else set()
+  if state:
+    committed.add(state.model_checkpoint_path)
+  latest = state.model_checkpoint_path if state else None
+  files = storage.listdir(directory)
+  out = []
+  for name in files:
+    m = _FLAX_RE.match(name)
+    if m is None:
+      continue
+    prefix = storage.join(directory, name[:-len(".flax")])
+    stem = name[:-len(".flax")]
+    tf_files = sorted(f for f in files
+                      if f == f"{stem}.index" or f.startswith(f"{stem}.data-"))
+    size, mtime = storage.stat(storage.join(directory, name))
+    tf_bytes = sum(storage.stat(storage.join(directory, f))[0]
+                   for f in tf_files)
+    out.append(dict(
+        name=m.group("name"), number=int(m.group("number")), prefix=prefix,
+        committed=prefix in committed and f"{stem}.index" in tf_files,
+        latest=prefix == latest, flax_bytes=size, tf_bytes=tf_bytes,
+        mtime=_iso(mtime), tf_files=tf_files))
+  return sorted(out, key=lambda c: (c["name"], c["number"]))
+
+
+def _iso(t: float) -> str:
+  return datetime.datetime.fromtimestamp(
+      t, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _step_of(flax_path: str) -> Optional[int]:
+  """The state's integer top-level `step`, read from headers, or None."""
+  try:
+    step = flax_format.load_file(flax_path, subtree="step")
+  except (flax_format.FlaxFormatError, OSError):
+    return None
+  if hasattr(step, "ndim") and getattr(step, "ndim", 1) == 0:
+    step = step.item() if hasattr(step, "item") else step
+  return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+# --------------------------------------------------------------------------
+# inspect
+# --------------------------------------------------------------------------
+
+
+def tree_summary(flax_path: str) -> dict[str, Any]:
+  """The leaves of a `.flax` file (headers only) with per-subtree totals.
+
+  Args:
+    flax_path: The file.
+
+  Returns:
+    `leaves` (path, kind, dtype, shape, bytes), `subtrees` (top-level key ->
+    leaves, bytes) and `total_bytes`.
+
+  Raises:
+    flax_format.FlaxFormatError: The headers are corrupt.
+  """
+  leaves = flax_format.inspect_file(flax_path)
+  subtrees: dict[str, dict[str, int]] = collections.OrderedDict()
+  for leaf in leaves:
+    top = leaf.path.split("/")[1] if leaf.path.count("/") >= 1 else ""
+    entry = subtrees.setdefault(top, {"leaves": 0, "bytes": 0})
+    entry["leaves"] += 1
+    entry["bytes"] += leaf.nbytes
+  return dict(
+      file=flax_path,
+      leaves=[dict(path=l.path, kind=l.kind, dtype=l.dtype,
+                   shape=list(l.shape) if l.shape is not None else None,
+                   bytes=l.nbytes) for l in leaves],
+      subtrees=subtrees,
+      total_bytes=sum(l.nbytes for l in leaves))
+
+
+def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
+  """Describes a CLU directory, multihost base or `.flax` file.
+
+  Args:
+    path: What to describe.
+    checkpoint: For directories, the checkpoint number whose tree to show
+      (default: the latest committed one).
+
+  Returns:
+    A JSON-ready dict: `kind` ("flax_file", "checkpoint_dir",
+    "multihost"), `checkpoints` (number, step, bytes, time, hosts, committed)
+    and `tree` (see `tree_summary`) for the chosen checkpoint.
+
+  Raises:
+    FileNotFoundError: Nothing checkpoint-like at `path`.
+  """
+  if storage.exists(path) and not storage.isdir(path):
+    return dict(kind="flax_file", path=path, tree=tree_summary(path))
+  hosts = host_directories(path)
+  if storage.isdir(path) and (_has_checkpoints(path) or not hosts):
+    hosts = {None: path}
+  elif not hosts:
+    raise FileNotFoundError(f"No CLU checkpoint directory, multihost base or "
+                            f".flax file at {path}")
+  rows: dict[tuple, dict[str, Any]] = {}
+  for host, directory in hosts.items():
+    for c in list_checkpoints(directory):
+      row = rows.setdefault((c["name"], c["number"]), dict(
+          name=c["name"], number=c["number"], step=None, bytes=0,
+          time=c["mtime"], hosts=[], committed_hosts=[], torn_hosts=[]))
+      row["bytes"] += c["flax_bytes"] + c["tf_bytes"]
+      row["time"] = max(row["time"], c["mtime"])
+      row["hosts"].append(host)
+      (row["committed_hosts"] if c["committed"] else
+       row["torn_hosts"]).append(host)
+      if row["step"] is None and c["committed"]:
+        row["step"] = _step_of(c["prefix"] + ".flax")
+  checkpoints = [rows[k] for k in sorted(rows)]
+  for row in checkpoints:
+    row["committed"] = (not row["torn_hosts"] and
+                        len(row["committed_hosts"]) == len(hosts))
+  chosen = _choose(checkpoints, checkpoint)
+  tree = None
+  if chosen is not None:
+    first_host = chosen["committed_hosts"][0] if chosen[
+        "committed_hosts"] else chosen["hosts"][0]
+    tree = tree_summary(storage.join(
+        hosts[first_host], f"{chosen['name']}-{chosen['number']}.flax"))
+    tree["number"] = chosen["number"]
+  return dict(kind="multihost" if None not in hosts else "checkpoint_dir",
+              path=path, hosts=[h for h in hosts if h is not None],
+              checkpoints=checkpoints, tree=tree)
+
+
+def _has_checkpoints(directory: str) -> bool:
+  files = storage.listdir(directory)
+  return storage.STATE_FILENAME in files or any(_FLAX_RE.match(f)
+                                                for f in files)
+
+
+def _choose(checkpoints: list, number: Optional[int]) -> Optional[dict]:
+  if number is not None:
+    for row in checkpoints:
+      if row["number"] == number:
+        return row
+    raise FileNotFoundError(f"No checkpoint number {number}")
+  committed = [r for r in checkpoints if r["committed"]]
+  return committed[-1] if committed else None
+
+
+def format_inspect(report: dict[str, Any]) -> str:
+  """A human-readable rendering of `inspect_path`'s report."""
+  lines = []
+  if report["kind"] != "flax_file":
+    hosts = report.get("hosts") or []
+    lines.append(f"{report['path']}: " + (
+        f"multihost base, {len(hosts)} hosts" if hosts else
+        "checkpoint directory"))
+    table = [("number", "step", "size", "written (UTC)", "hosts", "state")]
+    for row in report["checkpoints"]:
+      state = "committed" if row["committed"] else (
+          "torn" if row["torn_hosts"] else "partial")
+      table.append((f"{row['name']}-{row['number']}",
+                    "" if row["step"] is None else str(row["step"]),
+                    _human(row["bytes"]), row["time"].replace("+00:00", ""),
+                    ",".join("-" if h is None else str(h)
+                             for h in row["hosts"]), state))
+    lines += _table(table)
+    lines.append("")
+  tree = report.get("tree")
+  if tree:
+    lines.append(f"tree of {tree['file']}:")
+    table = [("path", "dtype", "shape", "bytes")]
+    for leaf in tree["leaves"]:
+      table.append((leaf["path"], leaf["dtype"] or leaf["kind"],
+                    "" if leaf["shape"] is None else
+                    str(tuple(leaf["shape"])),
+                    _human(leaf["bytes"])))
+    lines += _table(table)
+    lines.append("")
+    table = [("subtree", "leaves", "bytes")]
+    for key, entry in tree["subtrees"].items():
+      table.append(("/" + key, str(entry["leaves"]), _human(entry["bytes"])))
+    table.append(("total", str(len(tree["leaves"])),
+                  _human(tree["total_bytes"])))
+    lines += _table(table)
+  return "\n".join(lines)
+
+
+def _table(rows: list[tuple]) -> list[str]:
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+         for r in rows]
+  out.insert(1, "  ".join("-" * w for w in widths))
+  return out
+
+
+def _human(n: int) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if n < 1024 or unit == "TiB":
+      return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return str(n)
+
+
+# --------------------------------------------------------------------------
+# verify
+# --------------------------------------------------------------------------
+
+
+def verify_path(path: str) -> dict[str, Any]:
+  """Checks that every committed checkpoint at `path` is sound.
+
+  Checked: every committed `.flax` decodes completely (every header, every
+  length, every chunk); its TensorFlow `.index` and all `.data-K-of-N` shards
+  are present; in a multihost base, the hosts have a checkpoint in common and
+  hold the same tree (paths, dtypes, shapes) for each common number.
+
+  Args:
+    path: A CLU directory, multihost base or `.flax` file.
+
+  Returns:
+    `ok` (bool), `checked` (number of files decoded) and `problems` (list of
+    sentences, each naming the file).
+  """
+  problems: list[str] = []
+  checked = 0
+  if storage.exists(path) and not storage.isdir(path):
+    return _verify_flax(path, problems, 0)
+  hosts = host_directories(path)
+  if storage.isdir(path) and (_has_checkpoints(path) or not hosts):
+    hosts = {None: path}
+  elif not hosts:
+    return dict(ok=False, checked=0, problems=[
+        f"{path}: no CLU checkpoint directory or multihost base here"])
+  trees: dict[int, dict[Any, list]] = collections.defaultdict(dict)
+  numbers: dict[Any, set] = {}
+  for host, directory in hosts.items():
+    found = [c for c in list_checkpoints(directory) if c["committed"]]
+    state = storage.read_checkpoint_state(directory)
+    listed = set(state.all_model_checkpoint_paths) if state else set()
+    for prefix in sorted(listed):
+      if not storage.exists(prefix + ".flax"):
+        problems.append(f"{prefix}.flax: missing for a checkpoint listed in "
+                        f"{storage.join(directory, storage.STATE_FILENAME)}")
+      elif not storage.exists(prefix + ".index"):
+        problems.append(f"{prefix}.index: missing (TensorFlow files of a "
+                        "committed checkpoint)")
+    numbers[host] = {c["number"] for c in found}
+    for c in found:
+      checked += 1
+      leaves = _decode_fully(c["prefix"] + ".flax", problems)
+      if leaves is not None:
+        trees[c["number"]][host] = leaves
+      _check_tf_shards(directory, c, problems)
+  if None not in hosts:
+    _check_hosts(path, hosts, numbers, trees, problems)
+  return dict(ok=not problems, checked=checked, problems=problems)
+
+
+def _verify_flax(path: str, problems: list, checked: int) -> dict[str, Any]:
+  _decode_fully(path, problems)
+  return dict(ok=not problems, checked=checked + 1, problems=problems)
+
+
+def _decode_fully(flax_path: str, problems: list) -> Optional[list]:
+  try:
+    flax_format.load_file(flax_path)
+    return [(l.path, l.dtype, l.shape) for l in
+            flax_format.inspect_file(flax_path)]
+  except flax_format.FlaxFormatError as e:
+    problems.append(str(e))
+  except OSError as e:
+    problems.append(f"{flax_path}: cannot be read: {e}")
+  return None
+
+
+def _check_tf_shards(directory: str, c: dict, problems: list) -> None:
+  shards = [f for f in c["tf_files"] if ".data-" in f]
+  if not shards:
+    problems.append(f"{c['prefix']}.data-*: no TensorFlow data file")
+    return
+  m = re.search(r"\.data-\d+-of-(\d+)$", shards[0])
+  expected = int(m.group(1)) if m else len(shards)
+  for k in range(expected):
+    name = f"{os.path.basename(c['prefix'])}.data-{k:05d}-of-{expected:05d}"
+    if name not in c["tf_files"]:
+      problems.append(f"{storage.join(directory, name)}: missing TensorFlow "
+                      "data shard")
+
+
+def _check_hosts(path: str, hosts: dict, numbers: dict, trees: dict,
+                 problems: list) -> None:
+  common = set.intersection(*numbers.values()) if numbers else set()
+  if not common:
+    problems.append(f"{path}: the {len(hosts)} host directories have no "
+                    "committed checkpoint number in common")
+    return
+  for number in sorted(common):
+    by_host = trees.get(number, {})
+    reference = next(iter(by_host.items()), None)
+    for host, leaves in by_host.items():
+      if reference is not None and leaves != reference[1]:
+        problems.append(
+            f"{hosts[host]}: checkpoint {number} holds a different tree than "
+            f"{hosts[reference[0]]} (paths, dtypes or shapes differ)")
