@@ -312,6 +312,8 @@ def verify_path(path: str) -> dict[str, Any]:
       _check_tf_shards(directory, c, problems)
   if None not in hosts:
     _check_hosts(path, hosts, numbers, trees, problems)
+  if not checked:
+    problems.append(f"{path}: no committed checkpoint found")
   return dict(ok=not problems, checked=checked, problems=problems)
 
 
