@@ -320,7 +320,7 @@ class Checkpoint:
     checkpoint = self.current_checkpoint
     while True:
       checkpoint = self._next_checkpoint(checkpoint)
-      paths = storage.glob(f"{checkpoint}.*")
+      paths = storage.glob(f"{_glob_escape(checkpoint)}.*")
       if not paths:
         break
       for path in paths:
@@ -363,7 +363,7 @@ class Checkpoint:
     manager.save()
     for stale in before - set(manager.checkpoints):
       for path in [self._flax_path(stale)] + storage.glob(
-          f"{self._flax_path(stale)}.tmp-*"):
+          f"{_glob_escape(self._flax_path(stale))}.tmp-*"):
         storage.remove(path)
     current = self.current_checkpoint
     if current != next_checkpoint:
@@ -540,7 +540,7 @@ class MultihostCheckpoint(Checkpoint):
 
   def host_directories(self) -> Dict[int, str]:
     """Host id -> directory, for every `{multihost_base_directory}-{int}`."""
-    prefix = f"{self.multihost_base_directory}-"
+    prefix = f"{safe_normpath(self.multihost_base_directory)}-"
     found = {}
     for path in storage.glob(f"{_glob_escape(prefix)}*"):
       suffix = path[len(prefix):]

@@ -36,7 +36,7 @@ _FLAX_RE = re.compile(r"^(?P<name>.+)-(?P<number>\d+)\.flax$")
 
 def host_directories(base: str) -> dict[int, str]:
   """Host id -> directory for `<base>-<int>` directories (a multihost base)."""
-  base = base.rstrip("/")
+  base = os.path.normpath(base) if storage.is_local(base) else base.rstrip("/")
   prefix = f"{base}-"
   found = {}
   pattern = re.sub(r"([*?\[])", r"[\1]", prefix) + "*"

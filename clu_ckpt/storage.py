@@ -361,4 +361,4 @@ def _unescape(s: str) -> str:
       i += 2 + len(m.group(0))
     else:
       raise ValueError(f"bad escape in {s!r}")
-  return out.decode("utf-8", errors="surrogateescape")
+  return out.decode("utf-8")  # invalid UTF-8 is a parse error, as in TF
