@@ -540,13 +540,7 @@ class MultihostCheckpoint(Checkpoint):
 
   def host_directories(self) -> Dict[int, str]:
     """Host id -> directory, for every `{multihost_base_directory}-{int}`."""
-    prefix = f"{safe_normpath(self.multihost_base_directory)}-"
-    found = {}
-    for path in storage.glob(f"{_glob_escape(prefix)}*"):
-      suffix = path[len(prefix):]
-      if suffix.isdigit() and storage.isdir(path):
-        found[int(suffix)] = safe_normpath(path)
-    return dict(sorted(found.items()))
+    return host_directories(self.multihost_base_directory)
 
   def get_latest_checkpoint_to_restore_from(self) -> Optional[str]:
     """Returns the newest checkpoint that every host directory holds.
@@ -577,6 +571,31 @@ class MultihostCheckpoint(Checkpoint):
     if not common:
       return None
     return own[max(common)]
+
+
+def host_directories(multihost_base_directory: str) -> Dict[int, str]:
+  """The host directories of a `MultihostCheckpoint` base.
+
+  Example::
+
+    host_directories("/work/checkpoints")
+    # {0: "/work/checkpoints-0", 1: "/work/checkpoints-1"}
+
+  Args:
+    multihost_base_directory: The shared prefix passed to
+      `MultihostCheckpoint`.
+
+  Returns:
+    Host id -> normalized directory, for every existing directory named
+    `{multihost_base_directory}-{integer}`, sorted by host id.
+  """
+  prefix = f"{safe_normpath(multihost_base_directory.rstrip('/'))}-"
+  found = {}
+  for path in storage.glob(f"{_glob_escape(prefix)}*"):
+    suffix = path[len(prefix):]
+    if suffix.isdigit() and storage.isdir(path):
+      found[int(suffix)] = safe_normpath(path)
+  return dict(sorted(found.items()))
 
 
 def _glob_escape(path: str) -> str:

@@ -24,6 +24,7 @@ import re
 from typing import Any, Optional
 
 from clu_ckpt import flax_format
+from clu_ckpt.checkpoint import host_directories
 from clu_ckpt import storage
 
 _FLAX_RE = re.compile(r"^(?P<name>.+)-(?P<number>\d+)\.flax$")
@@ -32,19 +33,6 @@ _FLAX_RE = re.compile(r"^(?P<name>.+)-(?P<number>\d+)\.flax$")
 # --------------------------------------------------------------------------
 # Finding checkpoints.
 # --------------------------------------------------------------------------
-
-
-def host_directories(base: str) -> dict[int, str]:
-  """Host id -> directory for `<base>-<int>` directories (a multihost base)."""
-  base = os.path.normpath(base) if storage.is_local(base) else base.rstrip("/")
-  prefix = f"{base}-"
-  found = {}
-  pattern = re.sub(r"([*?\[])", r"[\1]", prefix) + "*"
-  for path in storage.glob(pattern):
-    suffix = path[len(prefix):]
-    if suffix.isdigit() and storage.isdir(path):
-      found[int(suffix)] = path
-  return dict(sorted(found.items()))
 
 
 def list_checkpoints(directory: str) -> list[dict[str, Any]]:
