@@ -631,13 +631,23 @@ class _Reader:
       arr = self._ndarray(start, start + n, offset)
       return arr[()] if code == _EXT_NPSCALAR else arr
     if code == _EXT_COMPLEX:
-      parts = self._sub(start, start + n)._value(MAX_DEPTH - 1)
-      if (not isinstance(parts, list) or len(parts) != 2 or
-          not all(isinstance(p, (int, float)) and not isinstance(p, bool)
-                  for p in parts)):
-        raise self.error("complex ext does not hold (real, imag)", offset)
-      return complex(parts[0], parts[1])
+      return self._complex(start, start + n, offset)
     raise self.error(f"unknown msgpack ext type {code}", offset)
+
+  def _complex(self, start: int, end: int, offset: int) -> complex:
+    """Parses a complex ext payload: a msgpack pair of numbers, nothing else."""
+    sub = self._sub(start, end)
+    kind, n, _ = sub._header()
+    parts = []
+    if kind == "array" and n == 2:
+      for _ in range(2):
+        kind, value, _ = sub._header()
+        if kind not in ("int", "float"):
+          break
+        parts.append(value)
+    if len(parts) != 2 or sub._pos != end:
+      raise self.error("complex ext does not hold (real, imag)", offset)
+    return complex(parts[0], parts[1])
 
   def _sub(self, start: int, end: int) -> "_Reader":
     sub = _Reader.__new__(_Reader)
@@ -660,7 +670,7 @@ class _Reader:
     shape = []
     for _ in range(ndim):
       kind, dim, dim_at = sub._header()
-      if kind != "int" or dim < 0:
+      if kind != "int" or not 0 <= dim <= sys.maxsize:
         raise self.error("ndarray shape holds a non-size value", dim_at)
       shape.append(dim)
     kind, n, name_at = sub._header()
@@ -674,9 +684,13 @@ class _Reader:
     data_start = sub._take(n)
     if sub._pos != end:
       raise self.error("ndarray ext has trailing bytes", offset)
-    count = 1
+    count = nonzero = 1
     for dim in shape:
       count *= dim
+      nonzero *= max(dim, 1)
+    if nonzero * dtype.itemsize > sys.maxsize:
+      raise self.error(f"ndarray shape {tuple(shape)} is too large for "
+                       "numpy", shape_at)
     if count * dtype.itemsize != n:
       raise self.error(f"ndarray of shape {tuple(shape)} and dtype "
                        f"{dtype.name} needs {count * dtype.itemsize} bytes, "
@@ -693,7 +707,8 @@ class _Reader:
     dtype = _dtype_from_name(raw)
     if dtype is None:
       raise self.error(f"unknown dtype name {raw[:40]!r}", offset)
-    if dtype.hasobject or dtype.itemsize == 0 or dtype.fields is not None:
+    if (dtype.hasobject or dtype.itemsize == 0 or dtype.fields is not None or
+        dtype.subdtype is not None):
       raise self.error(f"unsupported dtype {dtype}", offset)
     return dtype
 
@@ -865,8 +880,12 @@ def _dtype_from_name(raw: bytes) -> Optional[np.dtype]:
   except UnicodeDecodeError:
     name = ""
   if name and len(name) <= 32 and all(c.isalnum() or c in "_[]" for c in name):
-    dtype = _parse_dtype_name(name)
-  _DTYPE_CACHE[raw] = dtype
+    try:
+      dtype = _parse_dtype_name(name)
+    except (TypeError, ValueError, OverflowError):
+      dtype = None
+  if dtype is not None:  # only names that parse: hostile ones stay uncached
+    _DTYPE_CACHE[raw] = dtype
   return dtype
 
 
