@@ -18,7 +18,7 @@ _VERSION = re.search(
 
 _TF = ["tensorflow-cpu>=2.16"]
 _JAX = ["jax>=0.4.30", "flax>=0.8"]
-_ORBAX = ["orbax-checkpoint>=0.11", "tensorstore>=0.1.60"]
+_ORBAX = ["orbax-checkpoint>=0.12", "tensorstore>=0.1.60"]
 
 setup(
     name="clu_ckpt",

@@ -1,0 +1,313 @@
+"""The `clu-ckpt` command (also `python -m clu_ckpt`).
+
+Synopsis::
+
+  clu-ckpt migrate SOURCE DESTINATION [--latest | --number N ...]
+      [--step-naming auto|state|number] [--state-host H]
+      [--compression zstd|none] [--dry-run] [--verify] [--json]
+
+`migrate` converts a CLU `Checkpoint` directory (or `MultihostCheckpoint`
+base) into an Orbax CheckpointManager root; see `clu_ckpt.migration`. On a
+terminal it draws a progress bar with the write rate; otherwise it prints one
+line per event. Exit status: 0 when everything was migrated (or skipped as
+already there), 1 when a checkpoint failed or the source is unusable, 2 for
+bad usage.
+
+Each subcommand is a function `_add_<name>(subparsers)` that builds its
+parser and sets `run`, a function of the parsed arguments returning the exit
+status; `main` dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
+
+from absl import logging as absl_logging
+
+_GIB = 2**30
+_MIB = 2**20
+_BAR_WIDTH = 30
+_REDRAW_SECONDS = 0.1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the command line.
+
+  Args:
+    argv: Arguments without the program name; default `sys.argv[1:]`.
+
+  Returns:
+    The exit status.
+  """
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if getattr(args, "run", None) is None:
+    parser.print_help(sys.stderr)
+    return 2
+  with _quiet_libraries(args.verbose):
+    try:
+      return args.run(args)
+    except KeyboardInterrupt:
+      print("interrupted", file=sys.stderr)
+      return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="clu-ckpt",
+      description="CLU/Flax checkpoints: fast access and migration to Orbax.")
+  parser.add_argument("-v", "--verbose", action="store_true",
+                      help="show the libraries' log messages")
+  subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+  _add_migrate(subparsers)
+  return parser
+
+
+_NOISY_LOGGERS = ("absl", "jax", "orbax", "tensorflow")
+
+
+@contextlib.contextmanager
+def _quiet_libraries(verbose: bool) -> Iterator[None]:
+  """Keeps TensorFlow, JAX and Orbax logging off the terminal meanwhile."""
+  if verbose:
+    yield
+    return
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  verbosity = absl_logging.get_verbosity()
+  levels = {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  for name in _NOISY_LOGGERS:
+    logging.getLogger(name).setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    absl_logging.set_verbosity(verbosity)
+    for name, level in levels.items():
+      logging.getLogger(name).setLevel(level)
+
+
+def _import_tensorflow_quietly() -> None:
+  """Imports TensorFlow (if installed) with its C++ start-up banner muted.
+
+  TensorFlow's native logging prints to file descriptor 2 at import time and
+  ignores `TF_CPP_MIN_LOG_LEVEL` for some messages.
+  """
+  with _file_descriptor_2_muted():
+    try:
+      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
+      pass
+
+
+@contextlib.contextmanager
+def _file_descriptor_2_muted() -> Iterator[None]:
+  try:
+    saved = os.dup(2)
+  except OSError:  # No usable descriptor 2: nothing to mute.
+    yield
+    return
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  try:
+    sys.stderr.flush()
+    os.dup2(devnull, 2)
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+    os.close(devnull)
+
+
+# --------------------------------------------------------------------------
+# migrate
+# --------------------------------------------------------------------------
+
+
+def _add_migrate(subparsers: Any) -> None:
+  p = subparsers.add_parser(
+      "migrate",
+      help="convert CLU checkpoints into an Orbax CheckpointManager root",
+      description=(
+          "Converts the checkpoints of a CLU Checkpoint directory or "
+          "MultihostCheckpoint base into Orbax steps (items state, dataset, "
+          "metadata) that stock orbax.checkpoint.CheckpointManager reads. "
+          "Re-running skips the steps already migrated."))
+  p.add_argument("source", metavar="SOURCE",
+                 help="CLU checkpoint directory, or MultihostCheckpoint base "
+                 "(the <SOURCE>-<host_id> directories)")
+  p.add_argument("destination", metavar="DESTINATION",
+                 help="Orbax CheckpointManager root directory")
+  which = p.add_mutually_exclusive_group()
+  which.add_argument("--all", dest="checkpoints", action="store_const",
+                     const="all", default="all",
+                     help="every kept checkpoint (default)")
+  which.add_argument("--latest", dest="checkpoints", action="store_const",
+                     const="latest", help="the latest checkpoint only")
+  which.add_argument("--number", dest="numbers", type=int, action="append",
+                     metavar="N", help="checkpoint number N (ckpt-N); "
+                     "repeatable")
+  p.add_argument("--step-naming", choices=("auto", "state", "number"),
+                 default="auto",
+                 help="Orbax step of each checkpoint: the state's top-level "
+                 "`step` (state), the CLU checkpoint number (number), or the "
+                 "state's step when every checkpoint has an increasing one "
+                 "(auto, default)")
+  p.add_argument("--state-host", type=int, metavar="H",
+                 help="multihost: take the state from host H without "
+                 "comparing hosts (default: host 0, after checking all hosts "
+                 "hold the same state)")
+  p.add_argument("--compression", choices=("zstd", "none"), default="zstd",
+                 help="array compression: zstd (Orbax's default; smaller, "
+                 "CPU-bound) or none (faster, larger)")
+  p.add_argument("--dry-run", action="store_true",
+                 help="show what would be migrated; write nothing")
+  p.add_argument("--verify", action="store_true",
+                 help="re-read every leaf through Orbax and compare it "
+                 "bit-exactly with the source")
+  p.add_argument("--json", action="store_true",
+                 help="print a machine-readable summary on stdout")
+  p.add_argument("--max-inflight-mib", type=int, default=128, metavar="MIB",
+                 help="array data handed to TensorStore at once (bounds "
+                 "memory; default 128)")
+  p.set_defaults(run=_run_migrate)
+
+
+def _run_migrate(args: argparse.Namespace) -> int:
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  if not args.verbose and not args.dry_run:
+    _import_tensorflow_quietly()
+  report = _ProgressReport(sys.stderr, sys.stderr.isatty())
+  try:
+    summary = migration.migrate(
+        args.source,
+        args.destination,
+        checkpoints=args.numbers or args.checkpoints,
+        step_naming=args.step_naming,
+        state_host=args.state_host,
+        compression=args.compression,
+        dry_run=args.dry_run,
+        verify=args.verify,
+        inflight_bytes=max(1, args.max_inflight_mib) * _MIB,
+        progress=report)
+  except (migration.MigrationError, OSError, ValueError) as e:
+    report.close()
+    print(f"clu-ckpt migrate: error: {migration.describe_error(e)}",
+          file=sys.stderr)
+    if args.json:
+      print(json.dumps({"ok": False, "error": migration.describe_error(e)}))
+    return 1
+  report.close()
+  if args.json:
+    print(json.dumps(summary.to_json(), indent=1))
+  else:
+    _print_summary(summary, sys.stdout)
+  return 0 if summary.ok else 1
+
+
+def _print_summary(summary: Any, out: TextIO) -> None:
+  counts = {}
+  for step in summary.steps:
+    counts[step.status] = counts.get(step.status, 0) + 1
+  hosts = len(summary.hosts)
+  print(f"{summary.source} ({summary.kind}, {hosts} host"
+        f"{'s' if hosts != 1 else ''}) -> {summary.destination}", file=out)
+  naming = ("the state's `step`" if summary.step_naming == "state" else
+            "CLU checkpoint number")
+  print(f"steps named by {naming}:", file=out)
+  for step in summary.steps:
+    name = "?" if step.step is None else step.step
+    line = f"  ckpt-{step.number} -> step {name}: {step.status}"
+    if step.verified:
+      line += ", verified"
+    if step.error:
+      line += f": {step.error}"
+    print(line, file=out)
+  if summary.not_on_all_hosts:
+    print(f"not on every host (not migrated): {summary.not_on_all_hosts}",
+          file=out)
+  print(", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        or "nothing to migrate", file=out)
+
+
+class _ProgressReport:
+  """Renders `migration.Progress` events: a bar on a terminal, else lines."""
+
+  def __init__(self, out: TextIO, tty: bool,
+               clock: Callable[[], float] = time.monotonic):
+    self._out = out
+    self._tty = tty
+    self._clock = clock
+    self._lock = threading.Lock()
+    self._total = self._written = 0
+    self._started = self._drawn = 0.0
+    self._label = ""
+    self._bar_shown = False
+
+  def __call__(self, event: Any) -> None:
+    with self._lock:
+      step = "?" if event.step is None else event.step
+      label = f"ckpt-{event.number} -> step {step}"
+      if event.event == "start":
+        self._label, self._total, self._written = label, event.nbytes, 0
+        self._started = self._drawn = self._clock()
+        if not self._tty:
+          self._line(f"migrating {label} ({_size(event.nbytes)})")
+      elif event.event == "bytes":
+        self._written += event.nbytes
+        now = self._clock()
+        if self._tty and now - self._drawn >= _REDRAW_SECONDS:
+          self._drawn = now
+          self._draw_bar(now)
+      elif event.event == "done":
+        seconds = max(self._clock() - self._started, 1e-9)
+        self._line(f"migrated {label}: {_size(event.nbytes)} in "
+                   f"{seconds:.1f} s ({_size(event.nbytes / seconds)}/s)")
+      elif event.event == "skipped":
+        self._line(f"skipped {label}: already in the destination")
+      elif event.event == "verified":
+        self._line(f"verified {label}")
+      elif event.event == "failed":
+        self._line(f"FAILED {label}: {event.message}")
+
+  def _draw_bar(self, now: float) -> None:
+    fraction = min(1.0, self._written / self._total) if self._total else 1.0
+    filled = int(round(fraction * _BAR_WIDTH))
+    rate = self._written / max(now - self._started, 1e-9)
+    self._out.write(
+        f"\r{self._label} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] "
+        f"{fraction:4.0%} {_size(self._written)}/{_size(self._total)} "
+        f"{_size(rate)}/s\x1b[K")
+    self._out.flush()
+    self._bar_shown = True
+
+  def _line(self, text: str) -> None:
+    if self._bar_shown:
+      self._out.write("\r\x1b[K")
+      self._bar_shown = False
+    self._out.write(text + "\n")
+    self._out.flush()
+
+  def close(self) -> None:
+    with self._lock:
+      if self._bar_shown:
+        self._out.write("\n")
+        self._bar_shown = False
+
+
+def _size(n: float) -> str:
+  if n >= _GIB:
+    return f"{n / _GIB:.2f} GiB"
+  if n >= _MIB:
+    return f"{n / _MIB:.1f} MiB"
+  return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{int(n)} B"
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,157 @@
+"""Tests for the `clu-ckpt` command (clu_ckpt.cli)."""
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import orbax.checkpoint as ocp
+import pytest
+
+from clu_ckpt import cli
+from clu_ckpt import migration
+
+
+def _steps(directory):
+  with ocp.CheckpointManager(directory) as mngr:
+    return list(mngr.all_steps())
+
+
+def test_migrate_json_summary(tmp_path, capsys, golden_copy):
+  src = golden_copy("single_host")
+  code = cli.main(["migrate", str(src), str(tmp_path / "dst"), "--json",
+                   "--verify"])
+  out, err = capsys.readouterr()
+  assert code == 0
+  summary = json.loads(out)
+  assert summary["ok"] is True
+  assert summary["step_naming"] == "state"
+  assert [(s["number"], s["step"], s["status"], s["verified"])
+          for s in summary["steps"]] == [(3, 300, "migrated", True),
+                                         (4, 400, "migrated", True),
+                                         (5, 500, "migrated", True)]
+  # Not a terminal: one line per event, no carriage returns.
+  assert "migrated ckpt-3 -> step 300" in err
+  assert "\r" not in err
+  assert _steps(tmp_path / "dst") == [300, 400, 500]
+
+
+def test_human_summary_and_rerun(tmp_path, capsys, golden_copy):
+  src = golden_copy("single_host")
+  assert cli.main(["migrate", str(src), str(tmp_path / "dst"),
+                   "--latest"]) == 0
+  out, _ = capsys.readouterr()
+  assert "ckpt-5 -> step 500: migrated" in out
+  assert _steps(tmp_path / "dst") == [500]
+  assert cli.main(["migrate", str(src), str(tmp_path / "dst")]) == 0
+  out, err = capsys.readouterr()
+  assert "ckpt-5 -> step 500: skipped" in out
+  assert "ckpt-3 -> step 300: migrated" in out
+  assert "skipped ckpt-5 -> step 500" in err
+
+
+def test_number_and_step_naming_options(tmp_path, capsys, golden_copy):
+  src = golden_copy("single_host")
+  code = cli.main(["migrate", str(src), str(tmp_path / "dst"), "--number",
+                   "3", "--number", "4", "--step-naming", "number",
+                   "--compression", "none", "--json"])
+  assert code == 0
+  summary = json.loads(capsys.readouterr()[0])
+  assert summary["step_naming"] == "number"
+  assert [(s["number"], s["step"]) for s in summary["steps"]] == [(3, 3),
+                                                                  (4, 4)]
+  assert migration.read_metadata(str(tmp_path / "dst"), 4)[
+      "compression"] == "none"
+
+
+def test_dry_run(tmp_path, capsys, golden_copy):
+  src = golden_copy("multihost")
+  code = cli.main(["migrate", str(src / "checkpoints"), str(tmp_path / "dst"),
+                   "--dry-run"])
+  out, _ = capsys.readouterr()
+  assert code == 0
+  assert "ckpt-2 -> step 2: planned" in out
+  assert "not on every host (not migrated): [3]" in out
+  assert not (tmp_path / "dst").exists()
+
+
+def test_missing_source_exits_1_with_a_message(tmp_path, capsys):
+  code = cli.main(["migrate", str(tmp_path / "none"), str(tmp_path / "dst"),
+                   "--json"])
+  out, err = capsys.readouterr()
+  assert code == 1
+  assert "no CLU checkpoint" in err
+  assert json.loads(out)["ok"] is False
+
+
+def test_usage_errors_exit_2(tmp_path):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["migrate", str(tmp_path), str(tmp_path / "d"), "--latest",
+              "--number", "3"])
+  assert e.value.code == 2
+  assert cli.main([]) == 2
+
+
+def test_corrupt_source_in_a_real_process(tmp_path, golden_copy):
+  src = golden_copy("single_host")
+  flax = src / "ckpt-5.flax"
+  flax.write_bytes(flax.read_bytes()[:50])
+  run = subprocess.run(
+      [sys.executable, "-m", "clu_ckpt", "migrate", str(src),
+       str(tmp_path / "dst")], capture_output=True, text=True, cwd=tmp_path)
+  assert run.returncode == 1
+  assert "Traceback" not in run.stderr + run.stdout
+  assert f"FAILED ckpt-5" in run.stderr and str(flax) in run.stderr
+  assert "ckpt-5 -> step ?: failed" in run.stdout
+  assert _steps(tmp_path / "dst") == [300, 400]
+
+
+def test_console_script(tmp_path):
+  exe = shutil.which("clu-ckpt")
+  if exe is None:
+    pytest.skip("clu-ckpt is not installed on PATH")
+  run = subprocess.run([exe, "migrate", "--help"], capture_output=True,
+                       text=True)
+  assert run.returncode == 0
+  assert "--step-naming" in run.stdout and "DESTINATION" in run.stdout
+
+
+class _Progress:
+  """Stands in for `migration.Progress` (the report only reads attributes)."""
+
+  def __init__(self, event, number=3, step=300, nbytes=0, message=""):
+    self.event, self.number, self.step = event, number, step
+    self.nbytes, self.message = nbytes, message
+
+
+def test_progress_bar_on_a_terminal():
+  out = io.StringIO()
+  now = [0.0]
+  # pylint: disable-next=protected-access
+  report = cli._ProgressReport(out, tty=True, clock=lambda: now[0])
+  report(_Progress("start", nbytes=4 * 2**20))
+  now[0] = 1.0
+  report(_Progress("bytes", nbytes=2**20))
+  now[0] = 2.0
+  report(_Progress("bytes", nbytes=2**20))
+  text = out.getvalue()
+  assert text.startswith("\rckpt-3 -> step 300 [")
+  assert " 50% 2.0 MiB/4.0 MiB 1.0 MiB/s" in text
+  now[0] = 4.0
+  report(_Progress("done", nbytes=4 * 2**20))
+  report.close()
+  assert out.getvalue().endswith(
+      "\r\x1b[Kmigrated ckpt-3 -> step 300: 4.0 MiB in 4.0 s (1.0 MiB/s)\n")
+
+
+def test_progress_lines_off_a_terminal():
+  out = io.StringIO()
+  # pylint: disable-next=protected-access
+  report = cli._ProgressReport(out, tty=False)
+  report(_Progress("start", nbytes=3 * 2**30))
+  report(_Progress("bytes", nbytes=2**30))
+  report(_Progress("failed", message="boom"))
+  assert out.getvalue().splitlines() == [
+      "migrating ckpt-3 -> step 300 (3.00 GiB)",
+      "FAILED ckpt-3 -> step 300: boom"]
