@@ -2,9 +2,16 @@
 
 Synopsis::
 
+  clu-ckpt inspect PATH [--checkpoint N] [--json]
+  clu-ckpt verify PATH [--source CLU_DIR] [--json]
   clu-ckpt migrate SOURCE DESTINATION [--latest | --number N ...]
       [--step-naming auto|state|number] [--state-host H]
       [--compression zstd|none] [--dry-run] [--verify] [--json]
+
+`inspect` and `verify` read file names, TensorFlow's `checkpoint` file, the
+`.flax` headers and Orbax's JSON metadata: they import neither TensorFlow nor
+JAX, and `inspect` reads no array data (see `clu_ckpt.inspection`). `verify`
+exits 0 only when every check holds.
 
 `migrate` converts a CLU `Checkpoint` directory (or `MultihostCheckpoint`
 base) into an Orbax CheckpointManager root; see `clu_ckpt.migration`. On a
@@ -58,6 +65,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
       print("interrupted", file=sys.stderr)
       return 130
+    except BrokenPipeError:  # e.g. `clu-ckpt inspect ... | head`
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+      return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("-v", "--verbose", action="store_true",
                       help="show the libraries' log messages")
   subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+  _add_inspect(subparsers)
+  _add_verify(subparsers)
   _add_migrate(subparsers)
   return parser
 
@@ -123,6 +135,86 @@ def _file_descriptor_2_muted() -> Iterator[None]:
     os.dup2(saved, 2)
     os.close(saved)
     os.close(devnull)
+
+
+# --------------------------------------------------------------------------
+# inspect and verify
+# --------------------------------------------------------------------------
+
+
+def _add_inspect(subparsers: Any) -> None:
+  p = subparsers.add_parser(
+      "inspect", help="list checkpoints and the tree of one, headers only",
+      description=(
+          "Lists the checkpoints of a CLU directory, MultihostCheckpoint base "
+          "or migrated Orbax root (number, step, size, time, hosts, committed "
+          "or torn), and the tree of one checkpoint (path, dtype, shape, "
+          "bytes, totals per top-level subtree), from headers only."))
+  p.add_argument("path", metavar="PATH",
+                 help="CLU checkpoint directory, MultihostCheckpoint base, "
+                 ".flax file or Orbax root")
+  p.add_argument("--checkpoint", type=int, metavar="N",
+                 help="show the tree of checkpoint number N (Orbax: step N); "
+                 "default the latest")
+  p.add_argument("--json", action="store_true",
+                 help="print a machine-readable report on stdout")
+  p.set_defaults(run=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+  from clu_ckpt import flax_format, inspection  # pylint: disable=g-import-not-at-top
+  try:
+    report = inspection.inspect_path(args.path, args.checkpoint)
+  except (OSError, flax_format.FlaxFormatError) as e:
+    print(f"clu-ckpt inspect: error: {e}", file=sys.stderr)
+    return 1
+  if args.json:
+    print(json.dumps(report, indent=1))
+  else:
+    print(inspection.format_inspect(report))
+  return 0
+
+
+def _add_verify(subparsers: Any) -> None:
+  p = subparsers.add_parser(
+      "verify", help="check that every committed checkpoint is sound",
+      description=(
+          "Checks that every committed .flax decodes completely, its "
+          "TensorFlow files are present and multihost directories agree on "
+          "common numbers; for an Orbax root, that every step is complete "
+          "(and with --source, that it matches its CLU source's headers). "
+          "Exit status 0 only when everything holds."))
+  p.add_argument("path", metavar="PATH",
+                 help="CLU checkpoint directory, MultihostCheckpoint base, "
+                 ".flax file or Orbax root")
+  p.add_argument("--source", metavar="CLU_DIR",
+                 help="for an Orbax root: the CLU directory it was migrated "
+                 "from")
+  p.add_argument("--json", action="store_true",
+                 help="print a machine-readable report on stdout")
+  p.set_defaults(run=_run_verify)
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+  from clu_ckpt import inspection  # pylint: disable=g-import-not-at-top
+  if args.source is not None:
+    if not inspection.is_orbax_root(args.path):
+      print(f"clu-ckpt verify: error: --source needs an Orbax root; "
+            f"{args.path} is not one", file=sys.stderr)
+      return 2
+    result = inspection.verify_orbax_root(args.path, args.source)
+  else:
+    result = inspection.verify_path(args.path)
+  if args.json:
+    print(json.dumps(result, indent=1))
+  else:
+    for problem in result["problems"]:
+      print(f"PROBLEM: {problem}")
+    print(f"{args.path}: {result['checked']} checked, "
+          f"{len(result['problems'])} problem"
+          f"{'s' if len(result['problems']) != 1 else ''}: "
+          f"{'OK' if result['ok'] else 'FAILED'}")
+  return 0 if result["ok"] else 1
 
 
 # --------------------------------------------------------------------------

@@ -295,8 +295,8 @@ def read_checkpoint_state(directory: str) -> Optional[CheckpointState]:
   )
 
 
-def join(directory: str, name: str) -> str:
-  return os.path.join(directory, name)
+def join(directory: str, *names: str) -> str:
+  return os.path.join(directory, *names)
 
 
 _FIELD_RE = re.compile(

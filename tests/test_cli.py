@@ -155,3 +155,73 @@ def test_progress_lines_off_a_terminal():
   assert out.getvalue().splitlines() == [
       "migrating ckpt-3 -> step 300 (3.00 GiB)",
       "FAILED ckpt-3 -> step 300: boom"]
+
+
+def test_inspect_and_verify_a_clu_directory(capsys, golden_copy):
+  src = golden_copy("incomplete_save")
+  assert cli.main(["inspect", str(src)]) == 0
+  out, _ = capsys.readouterr()
+  assert "ckpt-1" in out and "committed" in out and "torn" in out
+  assert "/params/Embed_0/embedding" in out and "bfloat16" in out
+  assert cli.main(["inspect", str(src), "--json", "--checkpoint", "1"]) == 0
+  report = json.loads(capsys.readouterr()[0])
+  assert report["tree"]["number"] == 1
+  assert cli.main(["verify", str(src)]) == 0
+  assert "OK" in capsys.readouterr()[0]
+
+
+def test_verify_exits_1_and_names_the_broken_file(capsys, golden_copy):
+  src = golden_copy("single_host")
+  victim = src / "ckpt-5.flax"
+  victim.write_bytes(victim.read_bytes()[:50])
+  assert cli.main(["verify", str(src), "--json"]) == 1
+  result = json.loads(capsys.readouterr()[0])
+  assert not result["ok"]
+  assert any(str(victim) in p for p in result["problems"])
+
+
+def test_inspect_and_verify_a_migrated_root(tmp_path, capsys, golden_copy):
+  src = golden_copy("single_host")
+  dst = tmp_path / "dst"
+  migration.migrate(str(src), str(dst))
+  assert cli.main(["inspect", str(dst), "--json"]) == 0
+  report = json.loads(capsys.readouterr()[0])
+  assert report["kind"] == "orbax_root"
+  assert [s["step"] for s in report["steps"]] == [300, 400, 500]
+  assert [s["clu_checkpoint"] for s in report["steps"]] == [
+      "ckpt-3", "ckpt-4", "ckpt-5"]
+  paths = {l["path"]: l for l in report["tree"]["leaves"]}
+  assert paths["/params/Embed_0/embedding"]["dtype"] == "bfloat16"
+  assert paths["/params/Embed_0/embedding"]["bytes"] == 20
+  assert cli.main(["verify", str(dst), "--source", str(src)]) == 0
+  capsys.readouterr()
+  # A step whose item vanished, and an unfinished step directory.
+  shutil.rmtree(dst / "400" / "state")
+  (dst / "600.orbax-checkpoint-tmp-123").mkdir()
+  assert cli.main(["verify", str(dst), "--json"]) == 1
+  problems = json.loads(capsys.readouterr()[0])["problems"]
+  assert any(str(dst / "400" / "state") in p for p in problems)
+  assert any("600.orbax-checkpoint-tmp-123" in p for p in problems)
+
+
+def test_verify_against_a_different_source_fails(tmp_path, capsys,
+                                                 golden_copy):
+  dst = tmp_path / "dst"
+  migration.migrate(str(golden_copy("single_host")), str(dst))
+  other = golden_copy("legacy_optimizer_tree")
+  assert cli.main(["verify", str(dst), "--source", str(other)]) == 1
+  out = capsys.readouterr()[0]
+  assert "PROBLEM" in out
+
+
+def test_inspect_and_verify_import_neither_tensorflow_nor_jax(golden_copy):
+  src = golden_copy("multihost")
+  code = (
+      "import sys\n"
+      "from clu_ckpt import cli\n"
+      f"assert cli.main(['inspect', {str(src / 'checkpoints')!r}]) == 0\n"
+      f"assert cli.main(['verify', {str(src / 'checkpoints')!r}]) == 0\n"
+      "bad = [m for m in ('tensorflow', 'jax', 'orbax') if m in sys.modules]\n"
+      "assert not bad, bad\n")
+  subprocess.run([sys.executable, "-c", code], check=True,
+                 capture_output=True)
