@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import glob as globlib
 import mmap
 import os
@@ -155,6 +157,11 @@ def atomic_writer(path: str) -> Iterator[Callable[[Any], None]]:
   (`gs://...`) are written through `tf.io.gfile`, which publishes them only
   when closed.
 
+  Local data is staged through one reused 16 MiB buffer and written with
+  `O_DIRECT` where the file system allows it: a multi-GiB checkpoint then
+  goes to disk at disk speed without first filling (and evicting) gigabytes
+  of page cache. File systems without `O_DIRECT` (tmpfs) get ordinary writes.
+
   Example::
 
     with atomic_writer("/ckpts/ckpt-3.flax") as write:
@@ -174,10 +181,13 @@ def atomic_writer(path: str) -> Iterator[Callable[[Any], None]]:
   final = _local(path)
   tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
   fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+  writer = _StagedWriter(fd)
   try:
-    yield lambda data: _write_all(fd, data)
+    yield writer.write
+    writer.close()
     os.fsync(fd)
   except BaseException:
+    writer.close(discard=True)
     os.close(fd)
     with contextlib.suppress(OSError):
       os.remove(tmp)
@@ -197,6 +207,83 @@ def _write_all(fd: int, data: Any) -> None:
   while view:
     n = os.write(fd, view)
     view = view[n:]
+
+
+_STAGE_BYTES = 16 * 2**20  # a multiple of every logical block size
+
+
+class _StagedWriter:
+  """Writes a stream through one page-aligned buffer, with O_DIRECT if allowed.
+
+  Full buffers are written with `O_DIRECT` (aligned offset, length and
+  memory); the last, partial one through the page cache. Where the file
+  system refuses `O_DIRECT`, every write is an ordinary one.
+  """
+
+  def __init__(self, fd: int):
+    self._fd = fd
+    self._buffer: Optional[mmap.mmap] = None
+    self._view: Optional[memoryview] = None
+    self._fill = 0
+    self._direct: Optional[bool] = None if hasattr(os, "O_DIRECT") else False
+
+  def write(self, data: Any) -> None:
+    src = memoryview(data).cast("B")
+    if self._buffer is None:
+      if len(src) >= _STAGE_BYTES and self._direct is False:
+        _write_all(self._fd, src)  # no O_DIRECT: skip the staging copy
+        return
+      self._buffer = mmap.mmap(-1, _STAGE_BYTES)
+      self._view = memoryview(self._buffer)
+    while src:
+      n = min(len(src), _STAGE_BYTES - self._fill)
+      self._view[self._fill:self._fill + n] = src[:n]
+      self._fill += n
+      src = src[n:]
+      if self._fill == _STAGE_BYTES:
+        self._flush_full()
+
+  def _flush_full(self) -> None:
+    if self._direct is None:
+      self._direct = self._set_direct(True)
+    if self._direct:
+      try:
+        _write_all(self._fd, self._view)
+        self._fill = 0
+        return
+      except OSError as e:
+        if e.errno != errno.EINVAL:
+          raise
+        # Refused after all (e.g. a larger block size): fall back for good.
+        self._set_direct(False)
+        self._direct = False
+        if os.lseek(self._fd, 0, os.SEEK_CUR) % _STAGE_BYTES:
+          raise
+    _write_all(self._fd, self._view)
+    self._fill = 0
+
+  def _set_direct(self, on: bool) -> bool:
+    try:
+      flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+      flags = flags | os.O_DIRECT if on else flags & ~os.O_DIRECT
+      fcntl.fcntl(self._fd, fcntl.F_SETFL, flags)
+    except OSError:
+      return False
+    return on
+
+  def close(self, discard: bool = False) -> None:
+    """Writes what is staged (through the page cache), frees the buffer."""
+    if self._buffer is None:
+      return
+    try:
+      if not discard and self._fill:
+        if self._direct:
+          self._set_direct(False)
+        _write_all(self._fd, self._view[:self._fill])
+    finally:
+      self._view.release()
+      self._buffer.close()
+      self._buffer = self._view = None
 
 
 def fsync_directory(directory: str) -> None:

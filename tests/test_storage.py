@@ -7,10 +7,13 @@ list what a fresh `tf.train.CheckpointManager` lists.
 """
 
 import os
+import shutil
+import tempfile
 import pathlib
 import time
 from typing import Optional
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -316,3 +319,32 @@ def test_small_helpers(tmp_path):
   storage.makedirs(str(tmp_path / "x" / "y"))
   assert (tmp_path / "x" / "y").is_dir()
   assert os.path.isdir(tmp_path / "x")
+
+
+@pytest.mark.parametrize("sizes", [
+    [0], [1], [storage._STAGE_BYTES - 1], [storage._STAGE_BYTES],
+    [storage._STAGE_BYTES + 1], [3, storage._STAGE_BYTES * 2 + 5, 7],
+    [storage._STAGE_BYTES - 3, 5, storage._STAGE_BYTES, 1],
+])
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_atomic_writer_stream_is_exact(tmp_path, sizes, where):
+  """Staged (O_DIRECT where allowed) writes reproduce the stream exactly."""
+  if where == "tmpfs":
+    if not os.path.isdir("/dev/shm"):
+      pytest.skip("no /dev/shm")
+    base = tempfile.mkdtemp(dir="/dev/shm")
+  else:
+    base = str(tmp_path)
+  rng = np.random.default_rng(sum(sizes))
+  pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+  path = os.path.join(base, "out.bin")
+  try:
+    with storage.atomic_writer(path) as write:
+      for piece in pieces:
+        write(memoryview(piece) if len(piece) % 2 else piece.tobytes())
+    with open(path, "rb") as f:
+      assert f.read() == b"".join(p.tobytes() for p in pieces)
+    assert os.listdir(base) == ["out.bin"]
+  finally:
+    if where == "tmpfs":
+      shutil.rmtree(base)
