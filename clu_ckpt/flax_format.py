@@ -145,8 +145,10 @@ def save_file(state: Any, path: str) -> int:
   """Writes `state` to `path` in Flax's format, streaming, crash-safe.
 
   The bytes are those of `flax.serialization.to_bytes(state)`. Array data is
-  written straight from each array's buffer (jax arrays on the CPU are not
-  copied). Local files are written under a temporary name in the same
+  read straight from each array's buffer (jax arrays on the CPU are not
+  copied; others cost one device-to-host transfer) and streamed to the file
+  through one reused 16 MiB staging buffer (see `storage.atomic_writer`), so
+  memory stays flat whatever the state's size. Local files are written under a temporary name in the same
   directory, flushed to disk with fsync and renamed, so `path` either holds the
   previous content or the complete new one; remote paths (`gs://...`) go
   through `tf.io.gfile`, whose objects appear only when complete.
