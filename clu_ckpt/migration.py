@@ -37,7 +37,6 @@ import asyncio
 import dataclasses
 import datetime
 import os
-import re
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -222,7 +221,8 @@ def discover(source: str) -> Source:
   if storage.exists(storage.join(path, storage.STATE_FILENAME)):
     kind, directories = "Checkpoint", {0: path}
   else:
-    kind, directories = "MultihostCheckpoint", _host_directories(path)
+    kind, directories = "MultihostCheckpoint", (
+        clu_checkpoint.host_directories(path))
     if not directories:
       raise MigrationError(
           f"{path}: no CLU checkpoint here (no `checkpoint` file, and no "
@@ -241,16 +241,6 @@ def _normalize(path: str) -> str:
   """Normalized, and absolute when local (the metadata records sources)."""
   path = clu_checkpoint.safe_normpath(path)
   return os.path.abspath(path) if storage.is_local(path) else path
-
-
-def _host_directories(base: str) -> dict[int, str]:
-  prefix = f"{base}-"
-  found = {}
-  for path in storage.glob(re.sub(r"([*?\[])", r"[\1]", prefix) + "*"):
-    suffix = path[len(prefix):]
-    if suffix.isdigit() and storage.isdir(path):
-      found[int(suffix)] = clu_checkpoint.safe_normpath(path)
-  return found
 
 
 def _kept_checkpoints(directory: str) -> dict[int, str]:

@@ -310,14 +310,18 @@ class _StagedWriter:
       if not discard and self._fill:
         if self._direct:
           self._set_direct(False)
-        _write_all(self._fd, self._views[self._current][:self._fill])
+        with self._views[self._current][:self._fill] as tail:
+          _write_all(self._fd, tail)
     finally:
       if self._pool is not None:
         self._pool.shutdown(wait=True)
       for view in self._views:
         view.release()
       for buffer in self._buffers:
-        buffer.close()
+        try:
+          buffer.close()
+        except BufferError:
+          pass  # a traceback still holds a view; freed with it
       self._buffers, self._views, self._pool = [], [], None
 
 
