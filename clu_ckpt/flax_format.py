@@ -703,6 +703,12 @@ class _Reader:
     shape, dtype, data_start, count = self._ndarray_parts(start, end, offset)
     arr = np.frombuffer(self._buf, dtype=dtype, count=count,
                         offset=data_start).reshape(shape)
+    if dtype.kind == "U" and arr.size and int(
+        np.frombuffer(self._buf, "<u4" if dtype.byteorder != ">" else ">u4",
+                      count=count * dtype.itemsize // 4,
+                      offset=data_start).max()) > 0x10FFFF:
+      # numpy would fail (SystemError) on the first element access.
+      raise self.error("str array holds invalid code points", offset)
     return arr.copy() if self._writable else arr
 
   def _dtype(self, raw: bytes, offset: int) -> np.dtype:

@@ -1341,3 +1341,13 @@ def test_reading_imports_neither_tensorflow_nor_jax(tmp_path):
   plain = {"a": np.ones(3), "b": [1, (2, 3)], "c": {"d": 1.5}}
   assert (tmp_path / "plain.flax").read_bytes() == serialization.to_bytes(
       plain)
+
+
+@pytest.mark.parametrize("value", [np.str_("ab"), np.array(["ab", "c"])])
+def test_str_data_with_invalid_code_points_is_a_format_error(value):
+  """Found by the soak fuzzer: numpy raised SystemError on such scalars."""
+  data = bytearray(flax_format.save({"s": value}))
+  at = data.index("a".encode("utf-32-le"))
+  data[at:at + 4] = b"\xff\xff\xff\xff"
+  with pytest.raises(flax_format.FlaxFormatError, match="code points"):
+    flax_format.load(bytes(data))
