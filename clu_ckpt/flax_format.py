@@ -631,7 +631,14 @@ class _Reader:
     start = self._take(n)
     if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
       arr = self._ndarray(start, start + n, offset)
-      return arr[()] if code == _EXT_NPSCALAR else arr
+      if code == _EXT_NDARRAY:
+        return arr
+      try:
+        return arr[()]
+      except (SystemError, ValueError):
+        # numpy cannot make a str scalar of invalid code points.
+        raise self.error(f"numpy scalar of dtype {arr.dtype} holds invalid "
+                         "data (code points)", offset) from None
     if code == _EXT_COMPLEX:
       return self._complex(start, start + n, offset)
     raise self.error(f"unknown msgpack ext type {code}", offset)
@@ -703,12 +710,6 @@ class _Reader:
     shape, dtype, data_start, count = self._ndarray_parts(start, end, offset)
     arr = np.frombuffer(self._buf, dtype=dtype, count=count,
                         offset=data_start).reshape(shape)
-    if dtype.kind == "U" and arr.size and int(
-        np.frombuffer(self._buf, "<u4" if dtype.byteorder != ">" else ">u4",
-                      count=count * dtype.itemsize // 4,
-                      offset=data_start).max()) > 0x10FFFF:
-      # numpy would fail (SystemError) on the first element access.
-      raise self.error("str array holds invalid code points", offset)
     return arr.copy() if self._writable else arr
 
   def _dtype(self, raw: bytes, offset: int) -> np.dtype:
