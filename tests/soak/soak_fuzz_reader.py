@@ -36,7 +36,6 @@ import json
 import os
 import random
 import resource
-import shutil
 import signal
 import struct
 import subprocess
