@@ -432,8 +432,8 @@ class Checkpoint:
         the tree path and the file.
       flax_format.FlaxFormatError: The `.flax` file is corrupt.
     """
-    state_dict = self._read_flax(self._checkpoint_or_latest(checkpoint),
-                                 checkpoint)
+    resolved = self._checkpoint_or_latest(checkpoint)
+    state_dict = self._read_flax(resolved, checkpoint)
     if state is None:
       return state_dict
     from flax import serialization  # pylint: disable=g-import-not-at-top
@@ -441,8 +441,8 @@ class Checkpoint:
       return serialization.from_state_dict(state, state_dict)
     except ValueError as e:
       raise ValueError(
-          f"{e} (restoring {self._flax_path(self._checkpoint_or_latest(checkpoint))} "
-          f"into a {type(state).__name__} template)") from e
+          f"{e} (restoring {self._flax_path(resolved)} into a "
+          f"{type(state).__name__} template)") from e
 
   def _read_flax(self, checkpoint: str, requested: Optional[str],
                  subtree: Any = None) -> Any:

@@ -480,7 +480,6 @@ _F32 = struct.Struct(">f")
 _F64 = struct.Struct(">d")
 _FIXED_INTS = {0xCC: _U8, 0xCD: _U16, 0xCE: _U32, 0xCF: _U64,
                0xD0: _I8, 0xD1: _I16, 0xD2: _I32, 0xD3: _I64}
-_LENGTHS = {0: None, 1: _U8, 2: _U16, 4: _U32}
 
 
 class _Reader:
