@@ -36,6 +36,7 @@ attributes need it, and `MultihostCheckpoint` only considers directories named
 from __future__ import annotations
 
 import collections
+import errno
 import operator
 import os
 import re
@@ -237,12 +238,17 @@ class Checkpoint:
     tf_checkpoint = tf.train.Checkpoint(**self._tf_state)
     if self._save_counter:
       tf_checkpoint.save_counter.assign(self._save_counter)
-    self._tf_checkpoint_manager = tf.train.CheckpointManager(
-        tf_checkpoint,
+    self._tf_checkpoint = tf_checkpoint
+    self._tf_checkpoint_manager = self._new_manager()
+
+  def _new_manager(self):
+    """A `tf.train.CheckpointManager` that reads the directory's state."""
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    return tf.train.CheckpointManager(
+        self._tf_checkpoint,
         self.base_directory,
         max_to_keep=self.max_to_keep,
         checkpoint_name=self.checkpoint_name)
-    self._tf_checkpoint = tf_checkpoint
 
   def _current_number(self) -> int:
     if self._tf_checkpoint is not None:
@@ -254,13 +260,34 @@ class Checkpoint:
   def get_latest_checkpoint_to_restore_from(self) -> Optional[str]:
     """Returns the checkpoint `restore()` uses by default.
 
-    Here simply `latest_checkpoint`; `MultihostCheckpoint` overrides it to
-    pick the newest checkpoint that every host has.
+    That is `latest_checkpoint`, unless some of its files are missing (a
+    directory damaged outside clu_ckpt, e.g. by clu killed while deleting
+    newer checkpoints after restoring an older one): then the newest listed
+    checkpoint whose files are all there, with a warning. `MultihostCheckpoint`
+    overrides this to pick the newest checkpoint that every host has.
 
     Returns:
       A checkpoint path (`<base_directory>/ckpt-N`), or None.
     """
-    return self.latest_checkpoint
+    latest = self.latest_checkpoint
+    listing = {}
+    if latest is None or _has_files(latest, listing):
+      return latest
+    number = CheckpointInfo.from_path(latest).number
+    for path in reversed(self._listed_checkpoints()):
+      if (CheckpointInfo.from_path(path).number < number and
+          _has_files(path, listing)):
+        logging.warning("Files of the latest checkpoint %s are missing; "
+                        "restoring %s instead", latest, path)
+        return path
+    return latest
+
+  def _listed_checkpoints(self) -> list[str]:
+    """The checkpoints TensorFlow manages here, oldest first."""
+    if self._tf_checkpoint_manager is not None:
+      return self._tf_checkpoint_manager.checkpoints
+    state = storage.read_checkpoint_state(self.base_directory)
+    return state.managed_checkpoints() if state else []
 
   @property
   def latest_checkpoint(self) -> Optional[str]:
@@ -312,20 +339,82 @@ class Checkpoint:
   # -- saving -------------------------------------------------------------------
 
   def _delete_future_checkpoints(self) -> None:
-    """Removes the files of every checkpoint after the current one.
+    """Removes every checkpoint after the current one.
 
     They exist after restoring an older checkpoint than the newest (a host
-    that re-joins its peers after a preemption), or as a torn write.
+    that re-joins its peers after a preemption), or as the leftovers of a save
+    that died before its commit. They leave TensorFlow's `checkpoint` file
+    first (one atomic rewrite), their files after that: a crash in between
+    leaves files nobody lists, never a listed checkpoint without its files.
+    (clu deletes the files first and keeps listing them.)
     """
+    def files(checkpoint: str) -> list[str]:
+      pattern = _glob_escape(checkpoint)
+      # `_temp` is TensorFlow's unfinished write.
+      return storage.glob(f"{pattern}.*") + storage.glob(f"{pattern}_temp")
+
+    future = {}
     checkpoint = self.current_checkpoint
     while True:
       checkpoint = self._next_checkpoint(checkpoint)
-      paths = storage.glob(f"{_glob_escape(checkpoint)}.*")
+      paths = files(checkpoint)
       if not paths:
         break
+      future[checkpoint] = paths
+    # Listed ones after a gap in the numbers (or without files) go too.
+    number = self._current_number()
+    manager = self.tf_checkpoint_manager
+    for listed in manager.checkpoints + [manager.latest_checkpoint]:
+      if (listed and listed not in future and
+          CheckpointInfo.from_path(listed).number > number):
+        future[listed] = files(listed)
+    if not future:
+      return
+    self._unlist(future)
+    for paths in future.values():
       for path in paths:
         logging.info("Cleaning up future checkpoint file '%s'", path)
-        storage.remove(path)
+        if path.endswith("_temp"):
+          storage.remove_tree(path)
+        else:
+          storage.remove(path)
+
+  def _unlist(self, checkpoints: Sequence[str]) -> None:
+    """Rewrites TensorFlow's `checkpoint` file without `checkpoints`.
+
+    Uses the manager's own bookkeeping (`_maybe_delete`, `_latest_checkpoint`,
+    `_record_state`, unchanged since TensorFlow 1.13) so that the file is
+    exactly what TensorFlow itself would write for the remaining list.
+    """
+    # pylint: disable=protected-access
+    manager = self.tf_checkpoint_manager
+    managed = manager._maybe_delete  # path -> timestamp, oldest first
+    latest = manager.latest_checkpoint
+    listed = [p for p in managed if p in checkpoints]
+    if not listed and latest not in checkpoints:
+      return
+    logging.info("Unlisting checkpoints %s (latest was %s)", listed, latest)
+    for path in listed:
+      del managed[path]
+    number = self._current_number()
+    if not managed and number > 0:
+      # The current checkpoint is listed but not managed (older than the
+      # file's last_preserved_timestamp, e.g. written under a clock ahead of
+      # this one): it stays listed and unmanaged, as a fresh manager sees it.
+      current = str(CheckpointInfo.from_path(latest)._replace(number=number))
+      managed[current] = manager._last_preserved_timestamp
+    if not managed:
+      # Saving without restoring starts over at number 1: nothing to list.
+      manager._latest_checkpoint = None
+      storage.remove(storage.join(self.base_directory, "checkpoint"))
+      return
+    if latest in checkpoints:
+      manager._latest_checkpoint = next(reversed(managed))
+    manager._record_state()
+    # pylint: enable=protected-access
+    # TensorFlow does not fsync; the deletions that follow must not reach
+    # the disk before this rewrite does.
+    storage.sync(storage.join(self.base_directory, "checkpoint"))
 
   def save(self, state: Any) -> str:
     """Saves `state` (and `tf_state`) as a new checkpoint.
@@ -334,6 +423,11 @@ class Checkpoint:
     overwrites the next number and deletes every newer checkpoint: with
     checkpoints 1, 2, 3, restoring 1 and saving writes a new 2 and deletes 3.
     This is how a preempted `MultihostCheckpoint` host re-joins its peers.
+    The newer checkpoints leave TensorFlow's `checkpoint` file before their
+    files are deleted, so a crash never leaves a listed checkpoint torn.
+
+    A failed save leaves the earlier checkpoints as they were and removes its
+    own partial files; the next save reuses the same number.
 
     Example::
 
@@ -349,7 +443,8 @@ class Checkpoint:
     Raises:
       ImportError: TensorFlow is not installed.
       TypeError: `state` holds a leaf of an unregistered type (names its path).
-      OSError: The files could not be written; earlier checkpoints are intact.
+      OSError: The files could not be written (a full or read-only disk); the
+        error names the file or checkpoint. Earlier checkpoints are intact.
     """
     start = time.time()
     manager = self.tf_checkpoint_manager
@@ -359,8 +454,15 @@ class Checkpoint:
     storage.makedirs(self.base_directory)
     nbytes = flax_format.save_file(state, self._flax_path(next_checkpoint))
     before = set(manager.checkpoints)
+    counter = self._current_number()
     # TensorFlow writes last: its `checkpoint` file is the commit.
-    manager.save()
+    try:
+      manager.save()
+    except Exception as e:  # pylint: disable=broad-except
+      error = self._failed_commit(next_checkpoint, counter, e)
+      if error is e:
+        raise
+      raise error from e
     for stale in before - set(manager.checkpoints):
       for path in [self._flax_path(stale)] + storage.glob(
           f"{_glob_escape(self._flax_path(stale))}.tmp-*"):
@@ -370,9 +472,114 @@ class Checkpoint:
       raise RuntimeError(
           f"Saved {current} but expected {next_checkpoint}: another process "
           f"may be writing to {self.base_directory}")
+    self._sweep_debris()
     logging.info("Checkpoint.save() wrote %s (%d bytes of Flax state) in "
                  "%.2fs", current, nbytes, time.time() - start)
     return current
+
+  def _failed_commit(self, checkpoint: str, counter: int,
+                     error: Exception) -> Exception:
+    """Undoes a save whose TensorFlow write failed; returns the error to raise.
+
+    TensorFlow has already counted the save. Unless its `checkpoint` file
+    lists the new checkpoint (then only the clean-up after the commit
+    failed) or cannot be read (then nothing is touched), the counter goes
+    back and the partial files go, so that the next save writes the same
+    number. The manager is re-read from disk in every case. I/O errors
+    (TensorFlow raises its own types) become an OSError naming the
+    checkpoint; any other error (e.g. from a `tf_state` object) is returned
+    as is.
+    """
+    committed = self._committed(checkpoint)
+    if committed is False:
+      self._tf_checkpoint.save_counter.assign(counter)
+      try:
+        for path in storage.glob(f"{_glob_escape(checkpoint)}.*"):
+          storage.remove(path)
+        storage.remove_tree(f"{checkpoint}_temp")
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("Could not remove the files of the failed save %s "
+                        "(a later save replaces them): %s", checkpoint, e)
+    try:
+      self._tf_checkpoint_manager = self._new_manager()
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("Could not re-read %s after a failed save: %s",
+                      self.base_directory, e)
+    if not _is_io_error(error):
+      return error
+    message = {
+        True: f"Checkpoint {checkpoint} was committed, but removing older "
+              "checkpoints failed",
+        False: f"Could not write checkpoint {checkpoint}; earlier "
+               "checkpoints are intact",
+        None: f"Could not write checkpoint {checkpoint}, nor read "
+              f"{self.base_directory}/checkpoint to tell whether it was "
+              "committed",
+    }[committed]
+    return _os_error(error, message, checkpoint)
+
+  def _committed(self, checkpoint: str) -> Optional[bool]:
+    """Whether TensorFlow's `checkpoint` file names `checkpoint` as latest.
+
+    None when the file exists but cannot be read or parsed.
+    """
+    try:
+      if not storage.exists(storage.join(self.base_directory, "checkpoint")):
+        return False
+      state = storage.read_checkpoint_state(self.base_directory)
+    except Exception:  # pylint: disable=broad-except
+      return None
+    if state is None:
+      return None
+    return (os.path.basename(state.model_checkpoint_path) ==
+            os.path.basename(checkpoint))
+
+  def _sweep_debris(self) -> None:
+    """Removes what killed saves leave behind, once a save has committed.
+
+    That is the `.flax` (and temporary `.flax`) of numbers TensorFlow pruned
+    (a kill between its pruning and ours: no `.index` any more), TensorFlow's
+    unfinished `{name}-N_temp/` and its temporary `checkpoint.tmp*` state
+    files. A checkpoint that still has its `.index` is never touched. Best
+    effort: the save has committed, so a failure here is only logged.
+    """
+    manager = self.tf_checkpoint_manager
+    if not manager.checkpoints:
+      return
+    oldest = min(CheckpointInfo.from_path(p).number
+                 for p in manager.checkpoints)
+    latest = CheckpointInfo.from_path(manager.latest_checkpoint).number
+    try:
+      names = set(storage.listdir(self.base_directory))
+      for entry in sorted(names):
+        if not self._is_debris(entry, names, oldest, latest):
+          continue
+        path = storage.join(self.base_directory, entry)
+        logging.info("Removing leftover '%s'", path)
+        if entry.endswith("_temp"):
+          storage.remove_tree(path)
+        else:
+          storage.remove(path)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("Could not remove leftovers in %s: %s",
+                      self.base_directory, e)
+
+  def _is_debris(self, entry: str, names: set[str], oldest: int,
+                 latest: int) -> bool:
+    if entry.startswith("checkpoint.tmp"):
+      return True
+    match = re.fullmatch(
+        rf"{re.escape(self.checkpoint_name)}-(\d+)(\.flax(\.tmp-.*)?|_temp)",
+        entry)
+    if not match:
+      return False
+    number, suffix = int(match.group(1)), match.group(2)
+    if suffix == "_temp":
+      return number <= latest
+    if suffix == ".flax":
+      return (number < oldest and
+              f"{self.checkpoint_name}-{number}.index" not in names)
+    return number < oldest  # a temporary .flax
 
   def restore_or_initialize(self, state: T) -> T:
     """Restores the latest checkpoint, or saves `state` as the first one.
@@ -555,14 +762,13 @@ class MultihostCheckpoint(Checkpoint):
                    list(directories.values()))
       return None
     common = None
-    own = {}
+    listed = {}
     exclusive = set()
     for directory in directories.values():
       state = storage.read_checkpoint_state(directory)
       paths = state.managed_checkpoints() if state else []
       numbers = {CheckpointInfo.from_path(p).number: p for p in paths}
-      if directory == self.base_directory:
-        own = numbers
+      listed[directory] = numbers
       exclusive |= set(numbers)
       common = set(numbers) if common is None else common & set(numbers)
     logging.info("Checked checkpoint directories %s: common numbers %s, "
@@ -570,7 +776,20 @@ class MultihostCheckpoint(Checkpoint):
                  exclusive - (common or set()))
     if not common:
       return None
-    return own[max(common)]
+    # A number counts only where every host has its files (see
+    # `Checkpoint.get_latest_checkpoint_to_restore_from`); if none has them
+    # all, the newest is returned and its restore fails, naming the file:
+    # starting over would delete every host's checkpoints.
+    listing = {}
+    for number in sorted(common, reverse=True):
+      missing = [d for d, numbers in listed.items()
+                 if not _has_files(numbers[number], listing)]
+      if not missing:
+        return listed[self.base_directory][number]
+      logging.warning("Checkpoint number %d is listed by every host, but "
+                      "files are missing in %s; trying older ones", number,
+                      missing)
+    return listed[self.base_directory][max(common)]
 
 
 def host_directories(multihost_base_directory: str) -> Dict[int, str]:
@@ -600,3 +819,54 @@ def host_directories(multihost_base_directory: str) -> Dict[int, str]:
 
 def _glob_escape(path: str) -> str:
   return re.sub(r"([*?\[])", r"[\1]", path)
+
+
+def _has_files(checkpoint: str,
+               listing: Optional[Dict[str, set[str]]] = None) -> bool:
+  """Whether the `.flax`, `.index` and `.data-*` files of `checkpoint` exist.
+
+  Args:
+    checkpoint: A checkpoint path (`<directory>/ckpt-N`).
+    listing: Directory -> names in it, filled on first use: one listing per
+      directory however many checkpoints are checked.
+  """
+  listing = {} if listing is None else listing
+  directory, name = os.path.split(checkpoint)
+  if directory not in listing:
+    listing[directory] = set(storage.listdir(directory))
+  names = listing[directory]
+  return (f"{name}.flax" in names and f"{name}.index" in names and
+          any(n.startswith(f"{name}.data-") for n in names))
+
+
+_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES,
+           errno.EIO)
+# TensorFlow's errors for failed file operations.
+_TF_IO_ERRORS = ("NotFoundError", "PermissionDeniedError",
+                 "ResourceExhaustedError", "DataLossError", "UnavailableError",
+                 "AbortedError", "DeadlineExceededError")
+
+
+def _is_io_error(error: Exception) -> bool:
+  """Whether `error` is a failed file operation (not, e.g., a bad iterator)."""
+  if isinstance(error, OSError):
+    return True
+  text = str(error)
+  return type(error).__name__ in _TF_IO_ERRORS or any(
+      os.strerror(code) in text for code in _ERRNOS)
+
+
+def _os_error(error: Exception, message: str, filename: str) -> OSError:
+  """An OSError for a failed TensorFlow write (TF raises its own types).
+
+  The errno is the one whose text TensorFlow's message carries ("No space
+  left on device"), when there is one.
+  """
+  if isinstance(error, OSError):
+    code = error.errno
+  else:
+    text = str(error)
+    code = next((c for c in _ERRNOS if os.strerror(c) in text), None)
+  detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
+  return OSError(code, f"{message}: {type(error).__name__}: {detail}",
+                 filename)

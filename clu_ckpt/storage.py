@@ -30,6 +30,7 @@ import glob as globlib
 import mmap
 import os
 import re
+import shutil
 import time
 import uuid
 from typing import Any, Callable, Iterator, Optional
@@ -75,9 +76,15 @@ def isdir(path: str) -> bool:
 
 
 def glob(pattern: str) -> list[str]:
-  """Paths matching `pattern` (`*`, `?`, `[...]`), sorted."""
+  """Paths matching `pattern` (`*`, `?`, `[...]`), sorted.
+
+  A `file://` pattern gives `file://` paths, so that callers can slice them
+  by the prefix they globbed for.
+  """
   if is_local(pattern):
-    return sorted(globlib.glob(_local(pattern)))
+    local = _local(pattern)
+    scheme = pattern[:len(pattern) - len(local)]
+    return sorted(scheme + p for p in globlib.glob(local))
   return sorted(gfile().glob(pattern))
 
 
@@ -106,6 +113,14 @@ def remove(path: str) -> None:
   except Exception as e:  # pylint: disable=broad-except
     if type(e).__name__ != "NotFoundError":  # tf.errors.NotFoundError
       raise
+
+
+def remove_tree(path: str) -> None:
+  """Removes a directory and its content; a missing one is not an error."""
+  if is_local(path):
+    shutil.rmtree(_local(path), ignore_errors=True)
+  elif gfile().isdir(path):
+    gfile().rmtree(path)
 
 
 def stat(path: str) -> tuple[int, float]:
@@ -182,12 +197,25 @@ def atomic_writer(path: str) -> Iterator[Callable[[Any], None]]:
     return
   final = _local(path)
   tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-  writer = _StagedWriter(fd)
   try:
-    yield writer.write
-    writer.close()
-    os.fsync(fd)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+  except OSError as e:
+    raise _naming(e, final) from e
+  writer = _StagedWriter(fd)
+
+  def write(data: Any) -> None:
+    try:
+      writer.write(data)
+    except OSError as e:
+      raise _naming(e, final) from e
+
+  try:
+    yield write
+    try:
+      writer.close()
+      os.fsync(fd)
+    except OSError as e:
+      raise _naming(e, final) from e
   except BaseException:
     writer.close(discard=True)
     os.close(fd)
@@ -197,11 +225,25 @@ def atomic_writer(path: str) -> Iterator[Callable[[Any], None]]:
   os.close(fd)
   try:
     os.replace(tmp, final)
-  except BaseException:
+  except BaseException as e:
     with contextlib.suppress(OSError):
       os.remove(tmp)
+    if isinstance(e, OSError):
+      raise _naming(e, final) from e
     raise
   fsync_directory(os.path.dirname(final) or ".")
+
+
+def _naming(error: OSError, path: str) -> OSError:
+  """`error` with `path` as its filename, so the message names the file.
+
+  `os.write` and the staging thread raise OSErrors without a filename; a
+  full disk would otherwise read "[Errno 28] No space left on device".
+  """
+  if error.filename == path or error.errno is None:
+    return error
+  # OSError(errno, ...) picks the subclass (PermissionError, ...) itself.
+  return OSError(error.errno, error.strerror or str(error), path)
 
 
 def _write_all(fd: int, data: Any) -> None:
@@ -323,6 +365,28 @@ class _StagedWriter:
         except BufferError:
           pass  # a traceback still holds a view; freed with it
       self._buffers, self._views, self._pool = [], [], None
+
+
+def sync(path: str) -> None:
+  """Makes a local file written by someone else (TensorFlow) durable.
+
+  Flushes the file and its directory (the rename that put it there); a no-op
+  for remote paths, which are durable once written.
+  """
+  if not is_local(path):
+    return
+  local = _local(path)
+  try:
+    fd = os.open(local, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+  fsync_directory(os.path.dirname(local) or ".")
 
 
 def fsync_directory(directory: str) -> None:

@@ -10,14 +10,17 @@ operation by operation; exceptions; `MultihostCheckpoint`; crash safety; a
 subprocess in which `import tensorflow` fails.
 """
 
+import errno
 import inspect
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any, Callable
 
 from clu import checkpoint as clu_checkpoint
@@ -156,6 +159,41 @@ def tf_state_paths(directory: str) -> tuple[str, list[str]]:
   """(latest, all paths) from TF's own reader of the `checkpoint` file."""
   state = tf.train.get_checkpoint_state(directory)
   return state.model_checkpoint_path, list(state.all_model_checkpoint_paths)
+
+
+def listed_without_files(directory: str) -> list[str]:
+  """Checkpoints TF's `checkpoint` file lists whose `.index` is missing."""
+  _, paths = tf_state_paths(directory)
+  local = directory.replace("file://", "")
+  return [p for p in paths
+          if not os.path.exists(os.path.join(local, os.path.basename(p))
+                                + ".index")]
+
+
+def without_ghosts(log: list[Any]) -> list[Any]:
+  """`log` with ghost checkpoints (listed, no files) dropped from listings.
+
+  clu keeps listing the checkpoints it deletes after restoring an older one;
+  clu_ckpt unlists them first (see `Checkpoint.save`). Nothing else differs.
+  """
+  out = []
+  for entry in log:
+    if entry[0] == "tf_state":
+      (latest, paths), ghosts = entry[1], entry[2]
+      entry = ("tf_state", (latest, [p for p in paths if p not in ghosts]))
+    out.append(entry)
+  return out
+
+
+def _only_ckpt1(entry: Any) -> Any:
+  """A scenario log entry with checkpoints other than 1 left out."""
+  keep = lambda name: not re.match(r"ckpt-(?!1\b)", os.path.basename(name))
+  if entry[0] == "files":
+    return ("files", [f for f in entry[1] if keep(f)])
+  if entry[0] == "tf_state":
+    latest, paths = entry[1]
+    return ("tf_state", (latest, [p for p in paths if keep(p)]))
+  return entry
 
 
 def no_temp_files(directory: pathlib.Path) -> bool:
@@ -495,7 +533,7 @@ def _scenario(lib, base: str, empty: str) -> list[Any]:
                 ck.current_checkpoint))
   local = base.replace("file://", "")
   log.append(("files", sorted(os.listdir(local))))
-  log.append(("tf_state", tf_state_paths(base)))
+  log.append(("tf_state", tf_state_paths(base), listed_without_files(base)))
 
   it2 = dataset_iterator()
   ck2 = lib.Checkpoint(base, dict(ds_iter=it2), max_to_keep=3)
@@ -508,7 +546,7 @@ def _scenario(lib, base: str, empty: str) -> list[Any]:
   log.append(("save_after_older", ck2.save(make_state(10)),
               ck2.current_checkpoint, ck2.latest_checkpoint))
   log.append(("files", sorted(os.listdir(local))))
-  log.append(("tf_state", tf_state_paths(base)))
+  log.append(("tf_state", tf_state_paths(base), listed_without_files(base)))
 
   it3 = dataset_iterator()
   ck3 = lib.Checkpoint(base, dict(ds_iter=it3), max_to_keep=3)
@@ -524,7 +562,7 @@ def _scenario(lib, base: str, empty: str) -> list[Any]:
   log.append(("save_without_restore", ck4.save({"fresh": 1}),
               ck4.current_checkpoint, ck4.latest_checkpoint))
   log.append(("files", sorted(os.listdir(local))))
-  log.append(("tf_state", tf_state_paths(base)))
+  log.append(("tf_state", tf_state_paths(base), listed_without_files(base)))
   log.append(("load", lib.load_state_dict(base)))
   return log
 
@@ -542,8 +580,27 @@ def test_same_behaviour_as_clu(tmp_path, monkeypatch, form):
     run.rename(tmp_path / f"run_{name}")
     trees[name] = {p.relative_to(tmp_path / f"run_{name}").as_posix()
                    for p in (tmp_path / f"run_{name}").rglob("*")}
-  assert logs["ours"] == logs["clu"]
-  assert trees["ours"] == trees["clu"]
+  # The differences: (1) after the restore of ckpt-3, clu keeps listing the
+  # ckpt-5 whose files it deleted; (2) a save without restore starts over at
+  # ckpt-1 and deletes every newer checkpoint; clu deletes only ckpt-1, 2, ...
+  # up to the first missing number, so it keeps ckpt-4 (while its ghost
+  # ckpt-5 holds a max_to_keep slot and ckpt-3 is pruned).
+  ghosts = {name: [[os.path.basename(p) for p in e[2]]
+                   for e in log if e[0] == "tf_state"]
+            for name, log in logs.items()}
+  assert ghosts == {"ours": [[], [], []],
+                    "clu": [[], ["ckpt-5"], ["ckpt-5"]]}
+  fresh_start = [e[0] for e in logs["ours"]].index("save_without_restore")
+  assert without_ghosts(logs["ours"][:fresh_start]) == without_ghosts(
+      logs["clu"][:fresh_start])
+  after = {name: [_only_ckpt1(e) for e in without_ghosts(log[fresh_start:])]
+           for name, log in logs.items()}
+  assert after["ours"] == after["clu"]
+  assert after["ours"] == without_ghosts(logs["ours"][fresh_start:])
+  assert after["clu"] != without_ghosts(logs["clu"][fresh_start:])
+  newer = {t for t in trees["clu"]
+           if re.match(r"ckpt-(?!1\.)", os.path.basename(t))}
+  assert newer and trees["ours"] == trees["clu"] - newer
   # Sanity of the log itself: pruning and overwriting happened.
   files_logged = [entry[1] for entry in logs["ours"] if entry[0] == "files"]
   assert "ckpt-1.flax" not in files_logged[0]
@@ -854,20 +911,32 @@ def test_flax_file_is_complete_before_tf_commits(tmp_path):
   assert no_temp_files(base)
 
 
-def test_flax_without_tf_commit_is_ignored_and_overwritten(tmp_path):
+def test_failed_tensorflow_save_is_undone(tmp_path):
   base = tmp_path / "ckpts"
   failing = [False]
 
   def on_save():
     if failing[0]:
-      raise RuntimeError("simulated crash inside TensorFlow's save")
+      raise RuntimeError("simulated failure inside TensorFlow's save")
 
   ck = checkpoint.Checkpoint(str(base), dict(spy=SaveSpy(on_save)))
   ck.save(make_state(1))
   failing[0] = True
-  with pytest.raises(RuntimeError, match="simulated crash"):
-    ck.save(make_state(2))
-  assert (base / "ckpt-2.flax").exists()  # written, never committed
+  with pytest.raises(RuntimeError, match="simulated failure"):
+    ck.save(make_state(2))  # not an I/O error: raised as it is
+  assert files(base) == ["checkpoint", "ckpt-1.data-00000-of-00001",
+                         "ckpt-1.flax", "ckpt-1.index"]
+  failing[0] = False
+  assert ck.save(make_state(2)) == f"{base}/ckpt-2"  # the same number
+  assert clu_checkpoint.load_state_dict(str(base))["step"] == 2
+
+
+def test_flax_without_tf_commit_is_ignored_and_overwritten(tmp_path):
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base))
+  ck.save(make_state(1))
+  # What a kill between the .flax rename and TensorFlow's commit leaves.
+  (base / "ckpt-2.flax").write_bytes(serialization.to_bytes(make_state(99)))
   for lib in _LIBS.values():
     assert lib.Checkpoint(str(base)).latest_checkpoint == f"{base}/ckpt-1"
   assert checkpoint.load_state_dict(str(base))["step"] == 1
@@ -878,6 +947,320 @@ def test_flax_without_tf_commit_is_ignored_and_overwritten(tmp_path):
       make_state(3))
   assert clu_checkpoint.load_state_dict(str(base))["step"] == 3
   assert no_temp_files(base)
+
+
+def _failing_spy(error: list):
+  def on_save():
+    if error[0] is not None:
+      raise error[0]
+  return SaveSpy(on_save)
+
+
+def test_failed_tensorflow_io_is_an_oserror_and_the_number_is_reused(
+    tmp_path):
+  base = tmp_path / "ckpts"
+  error = [None]
+  ck = checkpoint.Checkpoint(str(base), dict(spy=_failing_spy(error)))
+  ck.save({"step": 1})
+  error[0] = tf.errors.ResourceExhaustedError(
+      None, None, "ckpt-2_temp/part: No space left on device")
+  with pytest.raises(OSError) as raised:
+    ck.save({"step": 2})
+  assert raised.value.errno == errno.ENOSPC
+  assert raised.value.filename == f"{base}/ckpt-2"
+  assert "Could not write checkpoint" in str(raised.value)
+  assert ck.latest_checkpoint == f"{base}/ckpt-1"
+  # A TensorFlow error that is not about files passes through unchanged.
+  error[0] = tf.errors.FailedPreconditionError(None, None, "not savable")
+  with pytest.raises(tf.errors.FailedPreconditionError):
+    ck.save({"step": 2})
+  error[0] = None
+  assert ck.save({"step": 2}) == f"{base}/ckpt-2"
+  assert files(base) == ["checkpoint"] + [
+      f"ckpt-{n}{ext}" for n in (1, 2)
+      for ext in (".data-00000-of-00001", ".flax", ".index")]
+
+
+def test_failure_after_the_commit_keeps_the_checkpoint(tmp_path, monkeypatch):
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=1)
+  ck.save({"step": 1})
+  manager = ck.tf_checkpoint_manager
+
+  def failing_sweep():
+    raise tf.errors.UnavailableError(None, None, "glob: too many open files")
+
+  monkeypatch.setattr(manager, "_sweep", failing_sweep)
+  with pytest.raises(OSError, match="ckpt-2 was committed"):
+    ck.save({"step": 2})
+  assert checkpoint.load_state_dict(str(base)) == {"step": 2}
+  # Committed, and the state file cannot be read back: nothing is deleted.
+  manager = ck.tf_checkpoint_manager
+  monkeypatch.setattr(manager, "_sweep", failing_sweep)
+
+  def unreadable(directory):
+    raise OSError(errno.EMFILE, "Too many open files", directory)
+
+  monkeypatch.setattr(checkpoint.storage, "read_checkpoint_state", unreadable)
+  with pytest.raises(OSError, match="nor read"):
+    ck.save({"step": 3})
+  monkeypatch.undo()
+  assert checkpoint.load_state_dict(str(base)) == {"step": 3}
+  assert listed_without_files(str(base)) == []
+  assert ck.save({"step": 4}) == f"{base}/ckpt-4"
+
+
+def test_failed_cleanup_of_a_failed_save_raises_the_save_error(
+    tmp_path, monkeypatch):
+  base = tmp_path / "ckpts"
+  error = [None]
+  ck = checkpoint.Checkpoint(str(base), dict(spy=_failing_spy(error)))
+  ck.save({"step": 1})
+  error[0] = OSError(errno.EIO, "Input/output error")
+
+  def failing_remove(path):
+    raise OSError(errno.EROFS, "Read-only file system", path)
+
+  monkeypatch.setattr(checkpoint.storage, "remove", failing_remove)
+  with pytest.raises(OSError) as raised:
+    ck.save({"step": 2})
+  monkeypatch.undo()
+  assert raised.value.errno == errno.EIO
+  assert ck.latest_checkpoint == f"{base}/ckpt-1"  # re-read from disk
+  error[0] = None
+  assert ck.save({"step": 2}) == f"{base}/ckpt-2"
+
+
+def test_listed_checkpoint_without_files_is_unlisted(tmp_path):
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  for step in range(1, 4):
+    ck.save({"step": step})
+  for path in base.glob("ckpt-3.*"):
+    path.unlink()
+  error = [OSError(errno.ENOSPC, "No space left on device")]
+  fresh = checkpoint.Checkpoint(str(base), dict(spy=_failing_spy(error)))
+  assert fresh.restore_or_initialize({"step": 0}) == {"step": 2}
+  with pytest.raises(OSError, match="Could not write checkpoint"):
+    fresh.save({"step": 3})
+  assert listed_without_files(str(base)) == []
+  assert fresh.latest_checkpoint == f"{base}/ckpt-2"
+  error[0] = None
+  assert fresh.save({"step": 3}) == f"{base}/ckpt-3"
+
+
+def test_newer_checkpoints_are_unlisted_before_their_files_go(
+    tmp_path, monkeypatch):
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  for step in range(1, 5):
+    ck.save({"step": step})
+  ck.restore_dict(f"{base}/ckpt-2")
+  removed = []
+  remove = checkpoint.storage.remove
+
+  def checked_remove(path):
+    # Whenever a file goes, TF's `checkpoint` file lists only whole ones.
+    assert listed_without_files(str(base)) == [], path
+    removed.append(os.path.basename(path))
+    remove(path)
+
+  monkeypatch.setattr(checkpoint.storage, "remove", checked_remove)
+  assert ck.save({"step": 30}) == f"{base}/ckpt-3"
+  assert {"ckpt-3.flax", "ckpt-4.flax", "ckpt-4.index"} <= set(removed)
+  assert tf_state_paths(str(base)) == (
+      f"{base}/ckpt-3", [f"{base}/ckpt-{n}" for n in (1, 2, 3)])
+  assert files(base) == ["checkpoint"] + [
+      f"ckpt-{n}{ext}" for n in (1, 2, 3)
+      for ext in (".data-00000-of-00001", ".flax", ".index")]
+
+
+def test_save_without_restore_starts_over_without_listing_deleted(tmp_path):
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  for step in range(1, 4):
+    ck.save({"step": step})
+  fresh = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  assert fresh.save({"step": 10}) == f"{base}/ckpt-1"
+  assert tf_state_paths(str(base)) == (f"{base}/ckpt-1", [f"{base}/ckpt-1"])
+  assert files(base) == ["checkpoint", "ckpt-1.data-00000-of-00001",
+                         "ckpt-1.flax", "ckpt-1.index"]
+
+
+def _unmanage(state_file: pathlib.Path) -> None:
+  """Moves last_preserved_timestamp past every checkpoint's timestamp."""
+  lines = state_file.read_text().splitlines()
+  lines = [l for l in lines if not l.startswith("last_preserved_timestamp")]
+  lines.append(f"last_preserved_timestamp: {time.time() - 0.001!r}")
+  state_file.write_text("\n".join(lines) + "\n")
+
+
+def test_restore_older_when_nothing_is_managed(tmp_path):
+  # A state file whose checkpoints are all older than its
+  # last_preserved_timestamp (written under a clock ahead of this one):
+  # TensorFlow lists them but manages none.
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  for step in range(1, 4):
+    ck.save({"step": step})
+  _unmanage(base / "checkpoint")
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  assert ck.tf_checkpoint_manager.checkpoints == []
+  ck.restore_dict(f"{base}/ckpt-1")
+  assert ck.save({"step": 20}) == f"{base}/ckpt-2"
+  manager = tf.train.CheckpointManager(tf.train.Checkpoint(), str(base), 5)
+  assert manager.latest_checkpoint == f"{base}/ckpt-2"
+  assert manager.checkpoints == [f"{base}/ckpt-2"]
+  assert listed_without_files(str(base)) == []
+  assert not (base / "ckpt-3.flax").exists()
+  # Later saves (another process) never sweep the unmanaged checkpoints.
+  later = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  later.restore_dict()
+  assert later.save({"step": 30}) == f"{base}/ckpt-3"
+  assert checkpoint.load_state_dict(
+      str(base), checkpoint=f"{base}/ckpt-1") == {"step": 1}
+
+
+def test_unmanaged_checkpoints_are_never_swept(tmp_path):
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  for step in range(1, 4):
+    ck.save({"step": step})
+  _unmanage(base / "checkpoint")
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  ck.restore_dict()
+  assert ck.save({"step": 4}) == f"{base}/ckpt-4"
+  for n in (1, 2, 3):
+    assert checkpoint.load_state_dict(
+        str(base), checkpoint=f"{base}/ckpt-{n}") == {"step": n}
+
+
+def test_leftovers_of_killed_saves_are_swept(tmp_path):
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=2)
+  for step in range(1, 4):
+    ck.save({"step": step})
+  # A kill after TF pruned ckpt-1 (before its .flax went), a kill inside
+  # TF's state-file write, and a kill inside TF's own write of ckpt-1.
+  (base / "ckpt-1.flax").write_bytes(b"orphan")
+  (base / "ckpt-1.flax.tmp-1-abc").write_bytes(b"orphan")
+  (base / "checkpoint.tmp0123abcd").write_text("partial")
+  (base / "ckpt-1_temp").mkdir()
+  (base / "ckpt-1_temp" / "part-00000-of-00001.index").write_bytes(b"x")
+  assert ck.save({"step": 4}) == f"{base}/ckpt-4"
+  assert files(base) == ["checkpoint"] + [
+      f"ckpt-{n}{ext}" for n in (3, 4)
+      for ext in (".data-00000-of-00001", ".flax", ".index")]
+
+
+@pytest.mark.parametrize("form", ["plain", "file_url"])
+def test_sweep_leaves_other_names_alone(tmp_path, form):
+  base = tmp_path / "ckpts"
+  directory = f"file://{base}" if form == "file_url" else str(base)
+  ck = checkpoint.Checkpoint(directory, max_to_keep=2)
+  for step in range(1, 4):
+    ck.save({"step": step})
+  foreign = ["ckpt-backup-1.flax", "ckpt-1.flax.bak", "model-1.flax",
+             "ckpt-1_temporary", "notes.txt"]
+  for name in foreign:
+    (base / name).write_bytes(b"keep")
+  (base / "ckpt-1.flax").write_bytes(b"orphan")
+  (base / "ckpt-1_temp").mkdir()
+  assert ck.save({"step": 4}) == f"{directory}/ckpt-4"
+  assert files(base) == sorted(["checkpoint"] + foreign + [
+      f"ckpt-{n}{ext}" for n in (3, 4)
+      for ext in (".data-00000-of-00001", ".flax", ".index")])
+
+
+def test_remote_paths_through_gfile():
+  base = f"ram://clu_ckpt_test_{os.getpid()}/ckpts"
+  try:
+    ck = checkpoint.Checkpoint(base, max_to_keep=2)
+    for step in range(1, 4):
+      ck.save({"step": step})
+    tf.io.gfile.makedirs(f"{base}/ckpt-1_temp")
+    with tf.io.gfile.GFile(f"{base}/ckpt-1_temp/part", "wb") as f:
+      f.write(b"x")
+    with tf.io.gfile.GFile(f"{base}/ckpt-1.flax", "wb") as f:
+      f.write(b"orphan")
+    assert ck.save({"step": 4}) == f"{base}/ckpt-4"
+    assert sorted(tf.io.gfile.listdir(base)) == ["checkpoint"] + [
+        f"ckpt-{n}{ext}" for n in (3, 4)
+        for ext in (".data-00000-of-00001", ".flax", ".index")]
+    tf.io.gfile.remove(f"{base}/ckpt-4.data-00000-of-00001")
+    fresh = checkpoint.Checkpoint(base, max_to_keep=2)
+    assert fresh.get_latest_checkpoint_to_restore_from() == f"{base}/ckpt-3"
+    assert fresh.restore_dict() == {"step": 3}
+  finally:
+    if tf.io.gfile.exists(base):
+      tf.io.gfile.rmtree(base)
+
+
+def _remove_data_file(directory, number):
+  (pathlib.Path(directory) / f"ckpt-{number}.data-00000-of-00001").unlink()
+
+
+def test_latest_with_missing_files_falls_back(tmp_path):
+  # What clu leaves when killed while deleting newer checkpoints: the latest
+  # listed checkpoint lost its .data file.
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  for step in range(1, 4):
+    ck.save({"step": step})
+  _remove_data_file(base, 3)
+  fresh = checkpoint.Checkpoint(str(base))
+  assert fresh.latest_checkpoint == f"{base}/ckpt-3"
+  assert fresh.get_latest_checkpoint_to_restore_from() == f"{base}/ckpt-2"
+  assert fresh.restore_or_initialize({"step": 0}) == {"step": 2}
+  assert fresh.save({"step": 3}) == f"{base}/ckpt-3"
+  assert listed_without_files(str(base)) == []
+
+
+def test_multihost_number_counts_only_with_every_hosts_files(tmp_path):
+  base = str(tmp_path / "checkpoints")
+  for host in range(2):
+    ck = checkpoint.MultihostCheckpoint(base, host_id=host, max_to_keep=3)
+    for step in range(1, 4):
+      ck.save({"step": step, "host": host})
+  _remove_data_file(f"{base}-1", 3)
+  for host in range(2):
+    ck = checkpoint.MultihostCheckpoint(base, host_id=host, max_to_keep=3)
+    assert ck.get_latest_checkpoint_to_restore_from() == f"{base}-{host}/ckpt-2"
+    assert ck.restore_dict() == {"step": 2, "host": host}
+  for name in ("flax", "index"):
+    (pathlib.Path(f"{base}-0") / f"ckpt-2.{name}").rename(
+        tmp_path / f"moved.{name}")
+    ck = checkpoint.MultihostCheckpoint(base, host_id=1, max_to_keep=3)
+    assert ck.get_latest_checkpoint_to_restore_from() == f"{base}-1/ckpt-1"
+    (tmp_path / f"moved.{name}").rename(
+        pathlib.Path(f"{base}-0") / f"ckpt-2.{name}")
+  # No common number is complete: the newest is returned and its restore
+  # fails, naming the file; no host starts over (that would delete them all).
+  for n in (1, 2):
+    _remove_data_file(f"{base}-1", n)
+  before = {h: files(pathlib.Path(f"{base}-{h}")) for h in range(2)}
+  for host in range(2):
+    ck = checkpoint.MultihostCheckpoint(base, host_id=host, max_to_keep=3)
+    assert (ck.get_latest_checkpoint_to_restore_from() ==
+            f"{base}-{host}/ckpt-3")
+  (pathlib.Path(f"{base}-1") / "ckpt-3.flax").unlink()
+  before[1].remove("ckpt-3.flax")
+  ck = checkpoint.MultihostCheckpoint(base, host_id=1, max_to_keep=3)
+  with pytest.raises(FileNotFoundError, match="ckpt-3"):
+    ck.restore_or_initialize({"step": 0, "host": 1})
+  assert {h: files(pathlib.Path(f"{base}-{h}")) for h in range(2)} == before
+
+
+def test_multihost_file_url(tmp_path):
+  base = f"file://{tmp_path}/checkpoints"
+  for host in range(2):
+    ck = checkpoint.MultihostCheckpoint(base, host_id=host, max_to_keep=3)
+    for step in range(1, 3 + host):
+      ck.save({"step": step, "host": host})
+  assert checkpoint.host_directories(base) == {
+      h: f"{base}-{h}" for h in range(2)}
+  ck = checkpoint.MultihostCheckpoint(base, host_id=1, max_to_keep=3)
+  assert ck.get_latest_checkpoint_to_restore_from() == f"{base}-1/ckpt-2"
 
 
 # ---------------------------------------------------------------------------

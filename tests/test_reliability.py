@@ -11,7 +11,7 @@ The short CI versions of the soak runs in tests/soak/ (see its README):
   then both restarted: same checkpoint, nothing of the common set lost;
 * a crash in the first save after restoring an older checkpoint (in-process,
   through a profiler hook) must not leave a listed checkpoint without its
-  files (xfail: a known bug, see `_UNLISTED_DELETION`);
+  files (the newer checkpoints are unlisted before their files go);
 * disk full (a real 2 MiB tmpfs, or RLIMIT_FSIZE where mounting is not
   allowed) and read-only directories (a tmpfs remounted read-only, or
   `chmod -R a-w` when not root).
@@ -132,16 +132,13 @@ def _train(ckpt, it, base, steps, host=0, start=0):
     ckpt.save(_harness.make_state(step, base, host))
 
 
-_UNLISTED_DELETION = (
-    "bug: after restoring a checkpoint older than its own latest, the first "
-    "save deletes the newer checkpoint's files while TensorFlow's "
-    "`checkpoint` file still lists it, until the new commit; a crash in that "
-    "window leaves a listed checkpoint without files, and once the other "
-    "hosts commit that number every restart fails "
-    "(clu_ckpt/checkpoint.py:314, _delete_future_checkpoints)")
+# Regression: the first save after restoring an older checkpoint used to
+# delete the newer checkpoints' files while TensorFlow's `checkpoint` file
+# still listed them (clu still does); a crash in that window left a listed
+# checkpoint without files, and once the other hosts committed that number
+# every restart failed.
 
 
-@pytest.mark.xfail(strict=True, reason=_UNLISTED_DELETION)
 @pytest.mark.parametrize("crash_at", [
     # Before the second removal: ckpt-3.data is gone.
     ("c:os.remove@clu_ckpt.checkpoint:Checkpoint._delete_future_checkpoints",
@@ -190,7 +187,6 @@ def test_multihost_crash_in_first_save_after_restore_stays_restorable(
     _harness.check_batch(next(it), step, f"host {h}", h)
 
 
-@pytest.mark.xfail(strict=True, reason=_UNLISTED_DELETION)
 def test_crash_during_future_cleanup_after_restoring_older(tmp_path):
   base = _harness._base()  # pylint: disable=protected-access
   it = _ds()
@@ -345,9 +341,6 @@ def test_disk_full_during_flax_write_keeps_previous(small_disk):
   _assert_restores(directory, 3)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: the OSError of a failed .flax write does not name the file "
-    "(storage.atomic_writer re-raises os.write's bare OSError)"))
 def test_disk_full_error_names_the_file(small_disk):
   directory = small_disk.path / "ckpts"
   ckpt, it = _two_checkpoints(directory)
@@ -370,11 +363,20 @@ def _fill_during_tf_write(small_disk):
   small_disk.leave(40_064 + 8192)
   try:
     next(it)
-    with pytest.raises(Exception) as raised:
+    with pytest.raises(OSError) as raised:
       ckpt.save(_small_state(2))
   finally:
     small_disk.release()
+  # TensorFlow's own ResourceExhaustedError, as an OSError naming the
+  # checkpoint, like a failed .flax write.
+  assert raised.value.errno == errno.ENOSPC
+  assert raised.value.filename == f"{directory}/ckpt-3"
   assert "No space left on device" in str(raised.value)
+  assert "ckpt-3" in str(raised.value)
+  # The uncommitted files are gone: only ckpt-1 and ckpt-2 remain.
+  assert sorted(os.listdir(directory)) == ["checkpoint"] + [
+      f"ckpt-{n}{ext}" for n in (1, 2)
+      for ext in (".data-00000-of-00001", ".flax", ".index")]
   return directory, ckpt
 
 
@@ -390,13 +392,9 @@ def test_disk_full_during_tensorflow_write_keeps_previous(small_disk):
   state = fresh.restore_or_initialize(_small_state(-1))
   assert fresh.restored_from == saved and state["step"] == 2
   np.testing.assert_array_equal(next(it), np.arange(8, 12))
-  assert number in (3, 4)
+  assert number == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: when TensorFlow's write fails, its save_counter was already "
-    "incremented: the retry writes ckpt-4 and leaves the uncommitted "
-    "ckpt-3.flax (and TF's ckpt-3_temp/) behind (checkpoint.py:363)"))
 def test_disk_full_during_tensorflow_write_retry_keeps_numbering(small_disk):
   directory, ckpt = _fill_during_tf_write(small_disk)
   assert ckpt.save(_small_state(2)) == f"{directory}/ckpt-3"

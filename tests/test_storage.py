@@ -6,7 +6,10 @@ TensorFlow is the oracle for the state file: files written by a real
 list what a fresh `tf.train.CheckpointManager` lists.
 """
 
+import errno
 import os
+import resource
+import signal
 import shutil
 import tempfile
 import pathlib
@@ -276,6 +279,61 @@ def test_atomic_writer_file_url(tmp_path):
     write(b"via url")
   assert target.read_bytes() == b"via url"
   assert leftovers(tmp_path) == []
+
+
+def test_atomic_writer_errors_name_the_file(tmp_path):
+  # A real kernel error: RLIMIT_FSIZE makes writes past 64 KiB fail (EFBIG).
+  target = tmp_path / "big.bin"
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (2**16, hard))
+  try:
+    with pytest.raises(OSError) as raised:
+      with storage.atomic_writer(str(target)) as write:
+        write(b"x" * 2**20)
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, handler)
+  assert raised.value.errno == errno.EFBIG
+  assert raised.value.filename == str(target)
+  assert str(target) in str(raised.value)
+  assert leftovers(tmp_path) == [] and not target.exists()
+  # The caller's own OSErrors inside the block are not relabelled.
+  with pytest.raises(FileNotFoundError) as raised:
+    with storage.atomic_writer(str(target)) as write:
+      write(b"x")
+      open(tmp_path / "absent", "rb")  # pylint: disable=consider-using-with
+  assert raised.value.filename == str(tmp_path / "absent")
+  # Nor is the directory that does not exist hidden.
+  with pytest.raises(FileNotFoundError) as raised:
+    with storage.atomic_writer(str(tmp_path / "no" / "x.bin")) as write:
+      write(b"x")
+  assert raised.value.filename == str(tmp_path / "no" / "x.bin")
+
+
+def test_glob_keeps_the_file_scheme(tmp_path):
+  (tmp_path / "ckpt-1.flax").write_bytes(b"")
+  assert storage.glob(f"file://{tmp_path}/ckpt-*") == [
+      f"file://{tmp_path}/ckpt-1.flax"]
+  assert storage.glob(f"{tmp_path}/ckpt-*") == [f"{tmp_path}/ckpt-1.flax"]
+
+
+def test_remove_tree_and_sync(tmp_path):
+  (tmp_path / "d" / "e").mkdir(parents=True)
+  (tmp_path / "d" / "e" / "f").write_bytes(b"x")
+  storage.remove_tree(str(tmp_path / "d"))
+  storage.remove_tree(str(tmp_path / "d"))  # already gone: not an error
+  assert not (tmp_path / "d").exists()
+  (tmp_path / "s").write_bytes(b"x")
+  storage.sync(str(tmp_path / "s"))
+  storage.sync(str(tmp_path / "absent"))  # nothing to flush: not an error
+  remote = f"ram://clu_ckpt_storage_{os.getpid()}/d"
+  tf.io.gfile.makedirs(f"{remote}/e")
+  with tf.io.gfile.GFile(f"{remote}/e/f", "wb") as f:
+    f.write(b"x")
+  storage.sync(f"{remote}/e/f")  # remote: a no-op
+  storage.remove_tree(remote)
+  assert not tf.io.gfile.exists(remote)
 
 
 def test_map_file(tmp_path):

@@ -301,9 +301,16 @@ KILL_POINTS = [
               odd=False),
     KillPoint("pruning", f"c:os.remove@{_CKPT}.save"
               f"!{_CKPT}._delete_future_checkpoints", 1, True),
-    # Uncommitted files of the next number are being removed before a save.
+    # Files of numbers after the restored one are being removed before a
+    # save (uncommitted leftovers, or a host's own newer checkpoints after it
+    # restored the common one): first the state file that unlists them (only
+    # when some are listed), then each file.
     KillPoint("future_cleanup", f"py:{_CKPT}._delete_future_checkpoints", 1,
               False, needs_future=True),
+    KillPoint("future_cleanup",
+              f"py:tensorflow.python.lib.io.file_io:rename{_STATE}"
+              f"@{_CKPT}._delete_future_checkpoints", 1, False,
+              needs_future=True),
     KillPoint("future_cleanup",
               f"c:os.remove@{_CKPT}._delete_future_checkpoints", 3, False,
               needs_future=True),
