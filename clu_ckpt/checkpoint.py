@@ -168,7 +168,9 @@ class Checkpoint:
   by rewriting `checkpoint`: a `.flax` without that commit (a crash in
   between) is not a checkpoint; it is ignored and later overwritten. Only the
   newest `max_to_keep` checkpoints are kept; the `.flax` of a pruned one is
-  removed with its TensorFlow files. These are the files `clu.checkpoint`
+  removed with its TensorFlow files. A checkpoint's files are deleted only
+  once `checkpoint` no longer lists it, so a process killed at any point
+  leaves every listed checkpoint whole. These are the files `clu.checkpoint`
   writes, byte for byte, and each library restores the other's.
 
   Attributes:

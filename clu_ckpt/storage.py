@@ -373,32 +373,28 @@ def sync(path: str) -> None:
   Flushes the file and its directory (the rename that put it there); a no-op
   for remote paths, which are durable once written.
   """
-  if not is_local(path):
-    return
-  local = _local(path)
+  if is_local(path):
+    local = _local(path)
+    _fsync_path(local)
+    fsync_directory(os.path.dirname(local) or ".")
+
+
+def fsync_directory(directory: str) -> None:
+  """Makes renames and deletions in a local directory durable."""
+  _fsync_path(directory)
+
+
+def _fsync_path(path: str) -> None:
+  # Best effort: a vanished file, or a file system that cannot fsync a
+  # directory, is not an error.
   try:
-    fd = os.open(local, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY)
   except OSError:
     return
   try:
     os.fsync(fd)
   except OSError:
     pass
-  finally:
-    os.close(fd)
-  fsync_directory(os.path.dirname(local) or ".")
-
-
-def fsync_directory(directory: str) -> None:
-  """Makes renames and deletions in a local directory durable."""
-  try:
-    fd = os.open(directory, os.O_RDONLY)
-  except OSError:
-    return
-  try:
-    os.fsync(fd)
-  except OSError:
-    pass  # some file systems cannot fsync a directory
   finally:
     os.close(fd)
 

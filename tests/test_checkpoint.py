@@ -1087,23 +1087,25 @@ def test_save_without_restore_starts_over_without_listing_deleted(tmp_path):
                          "ckpt-1.flax", "ckpt-1.index"]
 
 
-def _unmanage(state_file: pathlib.Path) -> None:
-  """Moves last_preserved_timestamp past every checkpoint's timestamp."""
+def _unmanaged_checkpoints(tmp_path: pathlib.Path) -> pathlib.Path:
+  """ckpt-1..3 whose timestamps are older than last_preserved_timestamp."""
+  base = tmp_path / "ckpts"
+  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
+  for step in range(1, 4):
+    ck.save({"step": step})
+  state_file = base / "checkpoint"
   lines = state_file.read_text().splitlines()
   lines = [l for l in lines if not l.startswith("last_preserved_timestamp")]
   lines.append(f"last_preserved_timestamp: {time.time() - 0.001!r}")
   state_file.write_text("\n".join(lines) + "\n")
+  return base
 
 
 def test_restore_older_when_nothing_is_managed(tmp_path):
   # A state file whose checkpoints are all older than its
   # last_preserved_timestamp (written under a clock ahead of this one):
   # TensorFlow lists them but manages none.
-  base = tmp_path / "ckpts"
-  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
-  for step in range(1, 4):
-    ck.save({"step": step})
-  _unmanage(base / "checkpoint")
+  base = _unmanaged_checkpoints(tmp_path)
   ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
   assert ck.tf_checkpoint_manager.checkpoints == []
   ck.restore_dict(f"{base}/ckpt-1")
@@ -1122,11 +1124,7 @@ def test_restore_older_when_nothing_is_managed(tmp_path):
 
 
 def test_unmanaged_checkpoints_are_never_swept(tmp_path):
-  base = tmp_path / "ckpts"
-  ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
-  for step in range(1, 4):
-    ck.save({"step": step})
-  _unmanage(base / "checkpoint")
+  base = _unmanaged_checkpoints(tmp_path)
   ck = checkpoint.Checkpoint(str(base), max_to_keep=5)
   ck.restore_dict()
   assert ck.save({"step": 4}) == f"{base}/ckpt-4"
