@@ -351,7 +351,7 @@ class Checkpoint:
     (clu deletes the files first and keeps listing them.)
     """
     def files(checkpoint: str) -> list[str]:
-      pattern = _glob_escape(checkpoint)
+      pattern = storage.glob_escape(checkpoint)
       # `_temp` is TensorFlow's unfinished write.
       return storage.glob(f"{pattern}.*") + storage.glob(f"{pattern}_temp")
 
@@ -455,7 +455,6 @@ class Checkpoint:
     logging.info("Storing next checkpoint '%s'", next_checkpoint)
     storage.makedirs(self.base_directory)
     nbytes = flax_format.save_file(state, self._flax_path(next_checkpoint))
-    before = set(manager.checkpoints)
     counter = self._current_number()
     # TensorFlow writes last: its `checkpoint` file is the commit.
     try:
@@ -465,16 +464,12 @@ class Checkpoint:
       if error is e:
         raise
       raise error from e
-    for stale in before - set(manager.checkpoints):
-      for path in [self._flax_path(stale)] + storage.glob(
-          f"{_glob_escape(self._flax_path(stale))}.tmp-*"):
-        storage.remove(path)
     current = self.current_checkpoint
     if current != next_checkpoint:
       raise RuntimeError(
           f"Saved {current} but expected {next_checkpoint}: another process "
           f"may be writing to {self.base_directory}")
-    self._sweep_debris()
+    self._sweep_debris()  # includes the .flax of checkpoints TF pruned
     logging.info("Checkpoint.save() wrote %s (%d bytes of Flax state) in "
                  "%.2fs", current, nbytes, time.time() - start)
     return current
@@ -496,7 +491,7 @@ class Checkpoint:
     if committed is False:
       self._tf_checkpoint.save_counter.assign(counter)
       try:
-        for path in storage.glob(f"{_glob_escape(checkpoint)}.*"):
+        for path in storage.glob(f"{storage.glob_escape(checkpoint)}.*"):
           storage.remove(path)
         storage.remove_tree(f"{checkpoint}_temp")
       except Exception as e:  # pylint: disable=broad-except
@@ -537,10 +532,10 @@ class Checkpoint:
             os.path.basename(checkpoint))
 
   def _sweep_debris(self) -> None:
-    """Removes what killed saves leave behind, once a save has committed.
+    """Removes the `.flax` of pruned checkpoints and what killed saves left.
 
     That is the `.flax` (and temporary `.flax`) of numbers TensorFlow pruned
-    (a kill between its pruning and ours: no `.index` any more), TensorFlow's
+    (just now, or before a kill: no `.index` any more), TensorFlow's
     unfinished `{name}-N_temp/` and its temporary `checkpoint.tmp*` state
     files. A checkpoint that still has its `.index` is never touched. Best
     effort: the save has committed, so a failure here is only logged.
@@ -812,15 +807,11 @@ def host_directories(multihost_base_directory: str) -> Dict[int, str]:
   """
   prefix = f"{safe_normpath(multihost_base_directory.rstrip('/'))}-"
   found = {}
-  for path in storage.glob(f"{_glob_escape(prefix)}*"):
+  for path in storage.glob(f"{storage.glob_escape(prefix)}*"):
     suffix = path[len(prefix):]
     if suffix.isdigit() and storage.isdir(path):
       found[int(suffix)] = safe_normpath(path)
   return dict(sorted(found.items()))
-
-
-def _glob_escape(path: str) -> str:
-  return re.sub(r"([*?\[])", r"[\1]", path)
 
 
 def _has_files(checkpoint: str,

@@ -90,7 +90,7 @@ def read_tf_files(prefix: str) -> TfFiles:
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   files = {}
-  for path in storage.glob(_glob_escape(prefix) + ".*"):
+  for path in storage.glob(storage.glob_escape(prefix) + ".*"):
     suffix = path[len(prefix) + 1:]
     if _SUFFIX_RE.match(suffix):
       files[suffix] = np.frombuffer(storage.read_bytes(path), np.uint8)
@@ -413,10 +413,6 @@ def _tensorflow():
   except ImportError as e:
     raise ImportError(storage.TF_INSTALL_HINT) from e
   return tf
-
-
-def _glob_escape(path: str) -> str:
-  return re.sub(r"([*?\[])", r"[\1]", path)
 
 
 def _first_line(e: BaseException) -> str:

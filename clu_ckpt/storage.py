@@ -88,6 +88,11 @@ def glob(pattern: str) -> list[str]:
   return sorted(gfile().glob(pattern))
 
 
+def glob_escape(path: str) -> str:
+  """`path` with its glob characters (`*`, `?`, `[`) matching literally."""
+  return re.sub(r"([*?\[])", r"[\1]", path)
+
+
 def listdir(path: str) -> list[str]:
   if is_local(path):
     return sorted(os.listdir(_local(path)))

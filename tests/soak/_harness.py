@@ -48,6 +48,7 @@ import json
 import os
 import queue
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -220,6 +221,19 @@ def _parse_spec(spec: str) -> tuple[str, list[str], list[str]]:
   for part in parts[1:]:
     (within if part[0] == "@" else outside).append(part[1:])
   return parts[0], within, outside
+
+
+def finish(summary: dict[str, Any], workdir: Path, keep: bool) -> int:
+  """Prints a soak's JSON summary, cleans up, and returns its exit status.
+
+  The work directory stays when something failed (or with --keep).
+  """
+  print(json.dumps(summary, indent=2))
+  if not keep and not summary["failures"]:
+    shutil.rmtree(workdir, ignore_errors=True)
+  else:
+    print(f"work directory kept: {workdir}")
+  return 1 if summary["failures"] else 0
 
 
 # --------------------------------------------------------------------------

@@ -362,14 +362,22 @@ def np_ext(arr: np.ndarray) -> msgpack.ExtType:
       [list(arr.shape), arr.dtype.name, arr.tobytes()]))
 
 
-def m_wrong_type(rng: random.Random, data: bytes) -> bytes:
-  """Decodes, replaces a random node by a value of another type, re-encodes."""
+_UNDECODABLE = object()
+
+
+def _decode(data: bytes) -> Any:
+  """The msgpack tree of `data` (exts kept as `_Ext`), or `_UNDECODABLE`."""
   try:
-    tree = msgpack.unpackb(data, strict_map_key=False, raw=False,
+    return msgpack.unpackb(data, strict_map_key=False, raw=False,
                            ext_hook=_ext_hook)
   except Exception:  # pylint: disable=broad-except
-    return m_bitflip(rng, data)
-  if _depth(tree) > 100:
+    return _UNDECODABLE
+
+
+def m_wrong_type(rng: random.Random, data: bytes) -> bytes:
+  """Decodes, replaces a random node by a value of another type, re-encodes."""
+  tree = _decode(data)
+  if tree is _UNDECODABLE or _depth(tree) > 100:
     return m_bitflip(rng, data)
   slots: list[tuple[Any, Any]] = []
 
@@ -441,10 +449,8 @@ def _ext_default(obj: Any) -> Any:
 
 def m_bad_array(rng: random.Random, data: bytes) -> bytes:
   """Replaces a real array's (shape, dtype, data) by a crafted wrong one."""
-  try:
-    tree = msgpack.unpackb(data, strict_map_key=False, raw=False,
-                           ext_hook=_ext_hook)
-  except Exception:  # pylint: disable=broad-except
+  tree = _decode(data)
+  if tree is _UNDECODABLE:
     return m_ext_code(rng, data)
   exts: list[_Ext] = []
   stack = [(tree, 0)]

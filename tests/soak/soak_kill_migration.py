@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
 import shutil
 import sys
@@ -161,12 +160,7 @@ def main() -> int:
                  failure_messages=[f.split("\n")[0] for f in failures],
                  migration_seconds=round(full_seconds, 2),
                  seconds=round(time.monotonic() - start, 1))
-  print(json.dumps(summary, indent=2))
-  if not args.keep and not failures:
-    shutil.rmtree(workdir, ignore_errors=True)
-  else:
-    print(f"work directory kept: {workdir}")
-  return 1 if failures else 0
+  return _harness.finish(summary, workdir, args.keep)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -126,12 +124,7 @@ def main() -> int:
     rounds = args.rounds // len(counts) + (i < args.rounds % len(counts))
     results.append(run_chain(hosts, rounds, rng, workdir, args.random_share))
   summary = summarize(results, time.monotonic() - start)
-  print(json.dumps(summary, indent=2))
-  if not args.keep and not summary["failures"]:
-    shutil.rmtree(workdir, ignore_errors=True)
-  else:
-    print(f"work directory kept: {workdir}")
-  return 1 if summary["failures"] else 0
+  return _harness.finish(summary, workdir, args.keep)
 
 
 if __name__ == "__main__":

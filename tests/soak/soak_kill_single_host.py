@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
-import json
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -136,12 +134,7 @@ def main() -> int:
         lambda j: run_chain(j, per_job[j], args.seed, workdir,
                             args.random_share, lock), range(args.jobs)))
   summary = summarize(results, time.monotonic() - start)
-  print(json.dumps(summary, indent=2))
-  if not args.keep and not summary["failures"]:
-    shutil.rmtree(workdir, ignore_errors=True)
-  else:
-    print(f"work directory kept: {workdir}")
-  return 1 if summary["failures"] else 0
+  return _harness.finish(summary, workdir, args.keep)
 
 
 if __name__ == "__main__":
