@@ -46,13 +46,10 @@ from typing import Any, Dict, Optional, Sequence, TypeVar, Union
 from absl import logging
 
 from clu_ckpt import flax_format
+from clu_ckpt import layout
 from clu_ckpt import storage
 
 T = TypeVar("T")
-
-_SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)",
-                        re.I | re.S)
-
 
 def safe_normpath(path: str) -> str:
   """Normalizes a path, keeping a URL scheme (`gs://`) intact.
@@ -70,8 +67,7 @@ def safe_normpath(path: str) -> str:
   Returns:
     The normalized path.
   """
-  m = _SCHEME_RE.match(path)
-  return (m.group("scheme") or "") + os.path.normpath(m.group("path"))
+  return layout.normpath(path)
 
 
 def load_state_dict(base_directory: str, *,
@@ -130,6 +126,9 @@ class CheckpointInfo(
   def from_path(cls, checkpoint: str) -> "CheckpointInfo":
     """Parses a checkpoint path such as `latest_checkpoint`.
 
+    The number is read from the base name only: `/runs/exp-3/model.ckpt` has
+    none (clu 0.0.12 would take the `3` of the parent directory).
+
     Args:
       checkpoint: A checkpoint prefix (`<base>/<name>-<number>`).
 
@@ -137,12 +136,13 @@ class CheckpointInfo(
       The parsed `CheckpointInfo`.
 
     Raises:
-      ValueError: `checkpoint` does not end in `-<number>`.
+      ValueError: The base name of `checkpoint` does not end in `-<number>`.
     """
-    m = re.match(cls.CHECKPOINT_REGEX, checkpoint, re.S)
-    if m is None:
+    parts = layout.split_checkpoint(checkpoint)
+    if parts is None:
       raise ValueError(f"Invalid checkpoint format: {checkpoint}")
-    return cls(m.group("prefix"), int(m.group("number")))
+    digits = re.search(r"\d+$", checkpoint)
+    return cls(checkpoint[:digits.start() - 1], parts[1])
 
   def increment(self) -> "CheckpointInfo":
     """The next checkpoint: the same prefix, `number + 1`."""
@@ -172,6 +172,17 @@ class Checkpoint:
   once `checkpoint` no longer lists it, so a process killed at any point
   leaves every listed checkpoint whole. These are the files `clu.checkpoint`
   writes, byte for byte, and each library restores the other's.
+
+  The directory's content is not trusted. Whatever TensorFlow's `checkpoint`
+  file lists, a save writes only `{base_directory}/{checkpoint_name}-{number}`
+  and deletes only checkpoints directly inside `base_directory`: listed
+  paths that lead elsewhere (absolute paths, `..`) are left alone, with a
+  warning naming them, and never reach TensorFlow's pruning. Symlinks found
+  where the new checkpoint's files go are removed, not written through.
+  Restoring follows TensorFlow's semantics, as clu does: `latest_checkpoint`
+  (and a `checkpoint` argument) is read wherever it points, absolute paths
+  included. Files that are not regular files (a named pipe, a device) are
+  refused with an error instead of being read.
 
   Attributes:
     base_directory: The normalized directory.
@@ -244,13 +255,32 @@ class Checkpoint:
     self._tf_checkpoint_manager = self._new_manager()
 
   def _new_manager(self):
-    """A `tf.train.CheckpointManager` that reads the directory's state."""
+    """A `tf.train.CheckpointManager` that reads the directory's state.
+
+    What reaches TensorFlow is contained first: listed checkpoints outside
+    `base_directory` are dropped from the manager's prune list (TensorFlow
+    would delete their files), with a warning; the `checkpoint` file must be
+    a regular file (TensorFlow would block forever on a named pipe).
+    """
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    return tf.train.CheckpointManager(
+    state_file = storage.join(self.base_directory, storage.STATE_FILENAME)
+    try:
+      storage.check_regular_file(state_file)
+    except FileNotFoundError:
+      pass  # no checkpoint yet
+    manager = tf.train.CheckpointManager(
         self._tf_checkpoint,
         self.base_directory,
         max_to_keep=self.max_to_keep,
         checkpoint_name=self.checkpoint_name)
+    managed = manager._maybe_delete  # pylint: disable=protected-access
+    for path in list(managed):
+      if not layout.is_contained(self.base_directory, path):
+        logging.warning(
+            "%s lists %s, which is outside %s: it is left alone (never "
+            "pruned or deleted)", state_file, path, self.base_directory)
+        del managed[path]
+    return manager
 
   def _current_number(self) -> int:
     if self._tf_checkpoint is not None:
@@ -275,9 +305,12 @@ class Checkpoint:
     listing = {}
     if latest is None or _has_files(latest, listing):
       return latest
-    number = CheckpointInfo.from_path(latest).number
+    parts = layout.split_checkpoint(latest)
+    if parts is None:
+      return latest
     for path in reversed(self._listed_checkpoints()):
-      if (CheckpointInfo.from_path(path).number < number and
+      number = layout.checkpoint_number(path, parts[0])
+      if (number is not None and number < parts[1] and
           _has_files(path, listing)):
         logging.warning("Files of the latest checkpoint %s are missing; "
                         "restoring %s instead", latest, path)
@@ -316,20 +349,22 @@ class Checkpoint:
     Returns:
       A checkpoint path, or None when the directory has no checkpoint.
     """
-    latest = self.latest_checkpoint
-    if latest is None:
+    if self.latest_checkpoint is None:
       return None
-    info = CheckpointInfo.from_path(latest)
-    return str(info._replace(number=self._current_number()))
+    return self._numbered(self._current_number())
+
+  def _numbered(self, number: int) -> str:
+    """`{base_directory}/{checkpoint_name}-{number}`: where saves write."""
+    return str(CheckpointInfo.initialize(
+        self.base_directory, self.checkpoint_name)._replace(number=number))
 
   def _flax_path(self, checkpoint: str) -> str:
     return f"{checkpoint}.flax"
 
   def _next_checkpoint(self, checkpoint: Optional[str]) -> str:
     if checkpoint is None:
-      return str(
-          CheckpointInfo.initialize(self.base_directory, self.checkpoint_name))
-    return str(CheckpointInfo.from_path(checkpoint).increment())
+      return self._numbered(1)
+    return self._numbered(CheckpointInfo.from_path(checkpoint).number + 1)
 
   def _checkpoint_or_latest(self, checkpoint: Optional[str] = None) -> str:
     if checkpoint is None:
@@ -348,7 +383,9 @@ class Checkpoint:
     that died before its commit. They leave TensorFlow's `checkpoint` file
     first (one atomic rewrite), their files after that: a crash in between
     leaves files nobody lists, never a listed checkpoint without its files.
-    (clu deletes the files first and keeps listing them.)
+    (clu deletes the files first and keeps listing them.) Only this
+    directory's own checkpoints (`{checkpoint_name}-{number}` inside
+    `base_directory`) are removed; listed entries elsewhere are left alone.
     """
     def files(checkpoint: str) -> list[str]:
       pattern = storage.glob_escape(checkpoint)
@@ -356,19 +393,27 @@ class Checkpoint:
       return storage.glob(f"{pattern}.*") + storage.glob(f"{pattern}_temp")
 
     future = {}
-    checkpoint = self.current_checkpoint
+    number = self._current_number()
     while True:
-      checkpoint = self._next_checkpoint(checkpoint)
+      number += 1
+      checkpoint = self._numbered(number)
       paths = files(checkpoint)
       if not paths:
         break
       future[checkpoint] = paths
-    # Listed ones after a gap in the numbers (or without files) go too.
+    # Listed ones after a gap in the numbers (or without files) go too, if
+    # they are this directory's (`_new_manager` keeps only those managed).
     number = self._current_number()
     manager = self.tf_checkpoint_manager
     for listed in manager.checkpoints + [manager.latest_checkpoint]:
-      if (listed and listed not in future and
-          CheckpointInfo.from_path(listed).number > number):
+      if not listed or listed in future:
+        continue
+      if not layout.is_contained(self.base_directory, listed):
+        logging.warning("The latest checkpoint %s is outside %s: it is left "
+                        "alone", listed, self.base_directory)
+        continue
+      listed_number = layout.checkpoint_number(listed, self.checkpoint_name)
+      if listed_number is not None and listed_number > number:
         future[listed] = files(listed)
     if not future:
       return
@@ -403,8 +448,7 @@ class Checkpoint:
       # The current checkpoint is listed but not managed (older than the
       # file's last_preserved_timestamp, e.g. written under a clock ahead of
       # this one): it stays listed and unmanaged, as a fresh manager sees it.
-      current = str(CheckpointInfo.from_path(latest)._replace(number=number))
-      managed[current] = manager._last_preserved_timestamp
+      managed[self._numbered(number)] = manager._last_preserved_timestamp
     if not managed:
       # Saving without restoring starts over at number 1: nothing to list.
       manager._latest_checkpoint = None
@@ -541,11 +585,14 @@ class Checkpoint:
     effort: the save has committed, so a failure here is only logged.
     """
     manager = self.tf_checkpoint_manager
-    if not manager.checkpoints:
+    numbers = [layout.checkpoint_number(p, self.checkpoint_name)
+               for p in manager.checkpoints]
+    numbers = [n for n in numbers if n is not None]
+    latest = layout.checkpoint_number(manager.latest_checkpoint or "",
+                                      self.checkpoint_name)
+    if not numbers or latest is None:
       return
-    oldest = min(CheckpointInfo.from_path(p).number
-                 for p in manager.checkpoints)
-    latest = CheckpointInfo.from_path(manager.latest_checkpoint).number
+    oldest = min(numbers)
     try:
       names = set(storage.listdir(self.base_directory))
       for entry in sorted(names):
@@ -679,10 +726,15 @@ class Checkpoint:
     logging.info("Restoring checkpoint: %s", checkpoint)
     state = self.load_state(state, checkpoint)
     if self._tf_checkpoint is not None:
+      # TensorFlow would block forever opening a named pipe.
+      for path in storage.glob(f"{storage.glob_escape(checkpoint)}.*"):
+        if not path.endswith(".flax"):
+          storage.check_regular_file(path)
       self._tf_checkpoint.restore(checkpoint)
     else:
       # Nothing but the save counter to restore: no need to load TensorFlow.
-      self._save_counter = CheckpointInfo.from_path(checkpoint).number
+      parts = layout.split_checkpoint(checkpoint)
+      self._save_counter = parts[1] if parts else 0
     logging.info("Restored save_counter=%d restored_checkpoint=%s",
                  self._current_number(), checkpoint)
     self.restored_from = checkpoint
@@ -749,6 +801,10 @@ class MultihostCheckpoint(Checkpoint):
   def get_latest_checkpoint_to_restore_from(self) -> Optional[str]:
     """Returns the newest checkpoint that every host directory holds.
 
+    Only checkpoints named `{checkpoint_name}-{number}` inside each host's
+    directory count; entries of the `checkpoint` files that lead elsewhere
+    are ignored.
+
     Returns:
       This host's path of that checkpoint, or None when this host has no
       directory yet or the hosts have no checkpoint number in common.
@@ -764,7 +820,10 @@ class MultihostCheckpoint(Checkpoint):
     for directory in directories.values():
       state = storage.read_checkpoint_state(directory)
       paths = state.managed_checkpoints() if state else []
-      numbers = {CheckpointInfo.from_path(p).number: p for p in paths}
+      # Only this directory's own checkpoints count (see `layout`).
+      numbers = {layout.checkpoint_number(p, self.checkpoint_name): p
+                 for p in paths if layout.is_contained(directory, p)}
+      numbers.pop(None, None)
       listed[directory] = numbers
       exclusive |= set(numbers)
       common = set(numbers) if common is None else common & set(numbers)
@@ -826,7 +885,10 @@ def _has_files(checkpoint: str,
   listing = {} if listing is None else listing
   directory, name = os.path.split(checkpoint)
   if directory not in listing:
-    listing[directory] = set(storage.listdir(directory))
+    try:
+      listing[directory] = set(storage.listdir(directory))
+    except OSError:  # e.g. a listed checkpoint in a directory that is gone
+      listing[directory] = set()
   names = listing[directory]
   return (f"{name}.flax" in names and f"{name}.index" in names and
           any(n.startswith(f"{name}.data-") for n in names))

@@ -20,6 +20,11 @@ line per event. Exit status: 0 when everything was migrated (or skipped as
 already there), 1 when a checkpoint failed or the source is unusable, 2 for
 bad usage.
 
+Every failure ends with one line on stderr, `clu-ckpt COMMAND: error: PATH:
+problem`, and exit status 1 (2 for bad usage, such as an empty path); the
+Python traceback and the libraries' own log messages are shown only with
+`--verbose`.
+
 Each subcommand is a function `_add_<name>(subparsers)` that builds its
 parser and sets `run`, a function of the parsed arguments returning the exit
 status; `main` dispatches.
@@ -35,6 +40,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
 
 from absl import logging as absl_logging
@@ -59,6 +65,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if getattr(args, "run", None) is None:
     parser.print_help(sys.stderr)
     return 2
+  for name in ("path", "source", "destination"):
+    if getattr(args, name, None) == "":
+      print(f"clu-ckpt {args.command}: error: {name.upper()} is empty",
+            file=sys.stderr)
+      return 2
   with _quiet_libraries(args.verbose):
     try:
       return args.run(args)
@@ -68,6 +79,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:  # e.g. `clu-ckpt inspect ... | head`
       os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
       return 0
+    except Exception as e:  # pylint: disable=broad-except
+      if args.verbose:
+        traceback.print_exc()
+      print(f"clu-ckpt {args.command}: error: {_one_line(e, args)}",
+            file=sys.stderr)
+      return 1
+
+
+def _one_line(error: BaseException, args: argparse.Namespace) -> str:
+  """The error in one line that names the path it concerns."""
+  if isinstance(error, OSError) and error.filename is not None:
+    message = f"{error.filename}: {error.strerror or error}"
+  else:
+    text = str(error).strip()
+    message = text.splitlines()[0] if text else type(error).__name__
+    if not isinstance(error, (OSError, ValueError)):
+      message = f"{type(error).__name__}: {message}"
+  path = getattr(args, "path", None) or getattr(args, "source", None)
+  if path and path not in message:
+    message = f"{path}: {message}"
+  return message
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
       description="CLU/Flax checkpoints: fast access and migration to Orbax.")
   parser.add_argument("-v", "--verbose", action="store_true",
                       help="show the libraries' log messages")
-  subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+  subparsers = parser.add_subparsers(title="commands", metavar="COMMAND",
+                                     dest="command")
   _add_inspect(subparsers)
   _add_verify(subparsers)
   _add_migrate(subparsers)
@@ -95,9 +128,11 @@ def _quiet_libraries(verbose: bool) -> Iterator[None]:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
   verbosity = absl_logging.get_verbosity()
   levels = {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}
-  absl_logging.set_verbosity(absl_logging.ERROR)
+  # Errors too: Orbax logs each failed write with its traceback, and the
+  # command reports every failure itself, in one line.
+  absl_logging.set_verbosity(absl_logging.FATAL)
   for name in _NOISY_LOGGERS:
-    logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger(name).setLevel(logging.CRITICAL)
   try:
     yield
   finally:
@@ -162,17 +197,18 @@ def _add_inspect(subparsers: Any) -> None:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-  from clu_ckpt import flax_format, inspection  # pylint: disable=g-import-not-at-top
-  try:
-    report = inspection.inspect_path(args.path, args.checkpoint)
-  except (OSError, flax_format.FlaxFormatError) as e:
-    print(f"clu-ckpt inspect: error: {e}", file=sys.stderr)
-    return 1
+  from clu_ckpt import inspection  # pylint: disable=g-import-not-at-top
+  report = inspection.inspect_path(args.path, args.checkpoint)
   if args.json:
     print(json.dumps(report, indent=1))
   else:
     print(inspection.format_inspect(report))
-  return 0
+  problems = report.get("problems") or []
+  if problems:
+    print(f"clu-ckpt inspect: error: {args.path}: {len(problems)} problem"
+          f"{'s' if len(problems) != 1 else ''} (see above)",
+          file=sys.stderr)
+  return 1 if problems else 0
 
 
 def _add_verify(subparsers: Any) -> None:
@@ -300,6 +336,11 @@ def _run_migrate(args: argparse.Namespace) -> int:
     print(json.dumps(summary.to_json(), indent=1))
   else:
     _print_summary(summary, sys.stdout)
+  if not summary.ok:
+    failed = summary.failed
+    print(f"clu-ckpt migrate: error: {len(failed)} of {len(summary.steps)} "
+          f"checkpoints failed; first, ckpt-{failed[0].number}: "
+          f"{failed[0].error}", file=sys.stderr)
   return 0 if summary.ok else 1
 
 

@@ -30,8 +30,21 @@ objects (dataclasses, named tuples, registered types) into state dicts, with
 `flax.serialization.to_state_dict`, exactly as `to_bytes` does.
 
 Every problem with the bytes of a file raises `FlaxFormatError`, a `ValueError`
-naming the file and the byte offset. The reader never allocates more than the
-file's size, never recurses deeper than `MAX_DEPTH` and never hangs.
+naming the file and the byte offset. The reader never recurses deeper than
+`MAX_DEPTH`, parses each byte a bounded number of times (time is linear in the
+file's size), and whatever the bytes are, decoding or inspecting an M-byte
+file allocates at most `MEMORY_FACTOR * M + MEMORY_BASE` bytes (64 x M + 16
+MiB), the file's own bytes included: every Python object it creates (dicts,
+lists, strings, numpy views, `LeafInfo`s and their paths) is charged to that
+budget at no less than its CPython size, and a file whose objects would need
+more is refused with `FlaxFormatError` before they are built. Real states are
+far below the bound: array data stays in the file, and even a dict of a
+million small python scalars costs about 20 x its msgpack bytes. Hostile ones
+(millions of empty maps or nils, one long key repeated in a million paths)
+would cost 70 x their size to unboundedly more. Map keys are strings (as Flax
+writes them), bytes, ints, bools or None; float and complex keys are refused
+(their hashes can be made to collide, which would make building a dict
+quadratic).
 """
 
 from __future__ import annotations
@@ -53,6 +66,19 @@ CHUNK_BYTES = 2**30
 MAX_DEPTH = 256
 # numpy's own limit on the number of dimensions.
 MAX_NDIM = 64
+# Reading an M-byte input (load, load_file, inspect, inspect_file) allocates at
+# most MEMORY_FACTOR * M + MEMORY_BASE bytes, the input included; inputs that
+# would need more are refused (once the reader's estimates, which are never
+# below CPython's real sizes, reach 15/16 of the bound). Legitimate states are
+# charged far less: tiny nested dicts of small scalars, None and empty dicts
+# (the worst we know) about 35 x M (their real use: ~20 x M), dicts of short
+# keys to python scalars or lists of floats 14-24 x M (real: 10-20 x), tiny
+# arrays 10-25 x M, real models' arrays about 1 x. Hostile shapes (a 64-byte
+# dict per byte of file, a LeafInfo and its path per 2 bytes, a long key in
+# every path) would take 70 x M to unboundedly more.
+MEMORY_FACTOR = 64
+# On top: recursion frames down to MAX_DEPTH, small files' fixed costs.
+MEMORY_BASE = 16 * 2**20
 
 _EXT_NDARRAY = 1
 _EXT_COMPLEX = 2
@@ -84,7 +110,7 @@ class FlaxFormatError(ValueError):
     self.offset = offset
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class LeafInfo:
   """One leaf of a `.flax` file, as described by its headers.
 
@@ -371,6 +397,11 @@ def load(data: Any, *, writable: bool = False, subtree: Subtree = None,
          name: Optional[str] = None) -> Any:
   """Decodes Flax msgpack bytes, like `flax.serialization.msgpack_restore`.
 
+  Decoding M bytes allocates at most `MEMORY_FACTOR * M + MEMORY_BASE` bytes
+  (`data` included) and takes time linear in M, whatever the bytes are: a
+  state whose Python objects would need more (no real Flax state does, see
+  `MEMORY_FACTOR`) is refused before it is built.
+
   Example::
 
     state_dict = load(open("ckpt-1.flax", "rb").read())
@@ -387,8 +418,8 @@ def load(data: Any, *, writable: bool = False, subtree: Subtree = None,
     The state dict: dicts, lists, python scalars, numpy arrays and scalars.
 
   Raises:
-    FlaxFormatError: The bytes are not a valid encoding, or `subtree` is not
-      in them.
+    FlaxFormatError: The bytes are not a valid encoding, `subtree` is not in
+      them, or decoding them would need more memory than the bound above.
   """
   reader = _Reader(data, name, writable)
   return reader.root(_subtree_keys(subtree))
@@ -403,7 +434,9 @@ def load_file(path: str, *, writable: bool = False,
   in Flax's chunked form, which are reassembled into new memory. Views may be
   unaligned; numpy handles that, and `jax.device_put` copies them anyway. The
   file is unmapped when the last view is gone. Remote paths are read whole
-  through `tf.io.gfile`.
+  through `tf.io.gfile`. Memory and time are bounded as for `load`: at most
+  `MEMORY_FACTOR` x the file's size + `MEMORY_BASE` bytes, the mapped pages
+  included.
 
   Example::
 
@@ -419,7 +452,8 @@ def load_file(path: str, *, writable: bool = False,
 
   Raises:
     FileNotFoundError: `path` does not exist.
-    FlaxFormatError: The file is truncated, corrupt or not a Flax checkpoint.
+    FlaxFormatError: The file is truncated, corrupt, not a Flax checkpoint, or
+      would need more memory than the bound above.
   """
   return load(_open(path), writable=writable, subtree=subtree, name=path)
 
@@ -428,7 +462,9 @@ def inspect_file(path: str) -> list[LeafInfo]:
   """Lists the leaves of a `.flax` file from its headers alone.
 
   No array data is read: only the msgpack headers are parsed, so this is fast
-  on files of any size.
+  on files of any size. The list costs memory like a decoded state (a
+  `LeafInfo` and its path per leaf); as for `load`, at most `MEMORY_FACTOR` x
+  the file's size + `MEMORY_BASE` bytes, in time linear in the file's size.
 
   Example::
 
@@ -442,14 +478,32 @@ def inspect_file(path: str) -> list[LeafInfo]:
 
   Raises:
     FileNotFoundError: `path` does not exist.
-    FlaxFormatError: The file is truncated, corrupt or not a Flax checkpoint.
+    FlaxFormatError: The file is truncated, corrupt, not a Flax checkpoint
+      (chunked arrays included: their shape must match their chunks, as
+      `load` requires), or would need more memory than the bound above.
   """
   reader = _Reader(_open(path), path, writable=False)
   return reader.leaves()
 
 
 def inspect(data: Any, name: Optional[str] = None) -> list[LeafInfo]:
-  """`inspect_file` for bytes already in memory."""
+  """`inspect_file` for bytes already in memory.
+
+  Example::
+
+    leaves = inspect(save({"w": np.ones(3)}))  # [LeafInfo("/w", ...)]
+
+  Args:
+    data: bytes, bytearray, memoryview, mmap or any buffer.
+    name: How to name `data` in error messages.
+
+  Returns:
+    One `LeafInfo` per leaf, in file order.
+
+  Raises:
+    FlaxFormatError: As `inspect_file`; memory is bounded by `MEMORY_FACTOR`
+      x `len(data)` + `MEMORY_BASE` bytes (`data` included).
+  """
   return _Reader(data, name, writable=False).leaves()
 
 
@@ -480,10 +534,107 @@ _F32 = struct.Struct(">f")
 _F64 = struct.Struct(">d")
 _FIXED_INTS = {0xCC: _U8, 0xCD: _U16, 0xCE: _U32, 0xCF: _U64,
                0xD0: _I8, 0xD1: _I16, 0xD2: _I32, 0xD3: _I64}
+_SIMPLE = {0xC0: "nil", 0xC2: "false", 0xC3: "true"}
+_SIZED = {0xC4: ("bin", _U8), 0xC5: ("bin", _U16), 0xC6: ("bin", _U32),
+          0xD9: ("str", _U8), 0xDA: ("str", _U16), 0xDB: ("str", _U32),
+          0xDC: ("array", _U16), 0xDD: ("array", _U32),
+          0xDE: ("map", _U16), 0xDF: ("map", _U32),
+          0xC7: ("ext", _U8), 0xC8: ("ext", _U16), 0xC9: ("ext", _U32)}
+# What `inspect` calls the leaves of each msgpack kind.
+_LEAF_KINDS = {"int": "int", "float": "float", "nil": "none", "true": "bool",
+               "false": "bool", "str": "str", "bin": "bytes", "array": "list"}
+
+
+# -- what the reader's objects cost -------------------------------------------
+#
+# Estimates of the memory each Python object the reader creates takes on
+# CPython 3.11 (64-bit), allocator rounding and headers included; each is at
+# least the real size (checked by tests/test_flax_format.py, which measures
+# the process' RSS), so charging them against the budget bounds real memory.
+
+
+def _alloc(n: int) -> int:
+  """Bytes taken by an n-byte allocation: pymalloc rounds up to 16 bytes,
+  malloc adds a header, and large blocks are mapped in whole pages."""
+  if n <= 512:
+    return (n + 15) & ~15
+  if n < 2**17:
+    return (n + 23) & ~15
+  return (n + 4096 + 23) & ~4095
+
+
+_COST_INT = _alloc(sys.getsizeof(2**59))       # ints in (-2**60, 2**60)
+_COST_BIG_INT = _alloc(sys.getsizeof(2**64))   # the others
+_COST_FLOAT = _alloc(sys.getsizeof(0.0))
+_COST_COMPLEX = _alloc(sys.getsizeof(0j))
+_SIZEOF_BYTES = sys.getsizeof(b"")             # + 1 per byte
+_SIZEOF_STR = sys.getsizeof("")                # + 1 per ASCII character
+_SIZEOF_LIST = sys.getsizeof([])               # + 8 per slot, allocated whole
+_SIZEOF_TUPLE = sys.getsizeof(())              # + 8 per item
+_COST_DICT = _alloc(sys.getsizeof({}))
+# A dict's first entry allocates its 8-slot table; CPython then doubles the
+# table when it is 2/3 full and frees the old one after copying: at most 90
+# bytes per entry at that moment (60 after), 92 with a margin.
+_COST_DICT_TABLE = 176
+_COST_DICT_ITEM = 92
+# A numpy array view: the object (~90 bytes) and its shape and strides.
+_COST_ARRAY = 128
+_COST_ARRAY_DIM = 16
+# A numpy scalar (str_ and bytes_ scalars hold a copy of the data on top).
+_COST_NPSCALAR = 160
+# A dtype object made for one array (the module caches only a few).
+_COST_DTYPE = 512
+# One (key, summary) pair kept while a chunked array's map is inspected.
+_COST_PAIR = 288
+
+
+def _int_cost(value: int) -> int:
+  """Cost of a Python int (those in [-5, 256] are shared singletons)."""
+  if -5 <= value <= 256:
+    return 0
+  return _COST_INT if -2**60 < value < 2**60 else _COST_BIG_INT
+
+
+def _str_cost(text: str) -> int:
+  """Cost of a str (the empty and one-latin-1-character ones are shared)."""
+  if len(text) <= 1 and text <= "\xff":
+    return 0
+  size = sys.getsizeof(text)
+  return (size + 15) & ~15 if size <= 512 else _alloc(size)
+
+
+class _Chunk:
+  """What `inspect` keeps of an ndarray ext that may be a chunk of an array."""
+  __slots__ = ("dtype", "ndim", "count", "nbytes", "offset")
+
+  def __init__(self, dtype: np.dtype, ndim: int, count: int, nbytes: int,
+               offset: int):
+    self.dtype = dtype
+    self.ndim = ndim
+    self.count = count
+    self.nbytes = nbytes
+    self.offset = offset
+
+
+# What `_Reader._describe` returns about the value it describes.
+_WANT_NOTHING = 0
+# An int's value, a `_Chunk` for an ndarray (what load turns into an
+# np.ndarray), else None: the entries of a chunked array's "shape" or "chunks".
+_WANT_SUMMARY = 1
+# For a map, its (key, summary) pairs (the value of a "shape" or "chunks"
+# key); for anything else, its summary.
+_WANT_ENTRIES = 2
 
 
 class _Reader:
-  """A bounded msgpack parser over a buffer, producing Flax's state dicts."""
+  """A bounded msgpack parser over a buffer, producing Flax's state dicts.
+
+  Every Python object it creates is charged, at its estimated size, to a
+  budget of `MEMORY_FACTOR` x the input's size + `MEMORY_BASE` (minus the
+  input itself); objects it builds only to check them and drops (keys it
+  compares, leaves `inspect` validates) are refunded once dropped. Each byte
+  is parsed a bounded number of times, so time is linear in the input's size.
+  """
 
   def __init__(self, data: Any, name: Optional[str], writable: bool):
     self._buf = data
@@ -493,6 +644,16 @@ class _Reader:
     self._name = name
     self._writable = writable
     self._pos = 0
+    self._size = self._end
+    self._limit = MEMORY_FACTOR * self._size + MEMORY_BASE
+    # The input's own bytes count; and 1/16 of the bound is kept for what is
+    # not charged (interpreter frames, allocator slack, temporary objects).
+    self._left = self._limit - self._limit // 16 - self._size
+    # inspect: the first error of a chunked array's map, kept until it is
+    # known whether an enclosing map is itself a chunked array (load ignores
+    # what such a map holds besides its shape and chunks).
+    self._deferred: Optional[FlaxFormatError] = None
+    self._names: dict[np.dtype, str] = {}
 
   # -- entry points ---------------------------------------------------------
 
@@ -506,15 +667,26 @@ class _Reader:
 
   def leaves(self) -> list[LeafInfo]:
     out: list[LeafInfo] = []
-    self._describe("", 0, out)
+    self._describe("", 0, out, _WANT_NOTHING)
     self._expect_end()
+    if self._deferred is not None:
+      raise self._deferred
     return out
 
-  # -- errors and primitives -------------------------------------------------
+  # -- errors, primitives and the memory budget --------------------------------
 
   def error(self, message: str, offset: Optional[int] = None) -> FlaxFormatError:
     return FlaxFormatError(message, self._name,
                            self._pos if offset is None else offset)
+
+  def _charge(self, n: int) -> None:
+    """Reserves `n` bytes of the memory budget, or refuses the input."""
+    self._left -= n
+    if self._left < 0:
+      raise self.error(
+          f"decoding would need more than {self._limit} bytes of memory for "
+          f"a {self._size}-byte file (at most MEMORY_FACTOR={MEMORY_FACTOR} "
+          f"x its size + MEMORY_BASE={MEMORY_BASE} bytes are allowed)")
 
   def _take(self, n: int) -> int:
     """Reserves `n` bytes at the cursor; returns their start offset."""
@@ -536,16 +708,19 @@ class _Reader:
 
   # -- the grammar -------------------------------------------------------------
 
-  def _header(self) -> tuple[str, int, int]:
+  def _header(self) -> tuple[str, Any, int]:
     """Reads a type byte and its length/size field.
 
     Returns:
       (kind, n, offset): kind is one of "int", "nil", "false", "true",
-      "float32", "float64", "str", "bin", "array", "map", "ext", "fixed-int";
-      n is the length (or the value for fixints, the struct for fixed ints).
+      "float", "str", "bin", "array", "map", "ext"; n is the length (or the
+      value for ints and floats).
     """
     offset = self._pos
-    tag = self._unpack(_U8)
+    if offset >= self._end:
+      self._take(1)  # raises: truncated
+    tag = self._view[offset]
+    self._pos = offset + 1
     if tag <= 0x7F:
       return "int", tag, offset
     if tag >= 0xE0:
@@ -558,20 +733,14 @@ class _Reader:
       return "str", tag & 0x1F, offset
     if tag in _FIXED_INTS:
       return "int", self._unpack(_FIXED_INTS[tag]), offset
-    simple = {0xC0: "nil", 0xC2: "false", 0xC3: "true"}
-    if tag in simple:
-      return simple[tag], 0, offset
+    if tag in _SIMPLE:
+      return _SIMPLE[tag], 0, offset
     if tag == 0xCA:
       return "float", self._unpack(_F32), offset
     if tag == 0xCB:
       return "float", self._unpack(_F64), offset
-    sized = {0xC4: ("bin", _U8), 0xC5: ("bin", _U16), 0xC6: ("bin", _U32),
-             0xD9: ("str", _U8), 0xDA: ("str", _U16), 0xDB: ("str", _U32),
-             0xDC: ("array", _U16), 0xDD: ("array", _U32),
-             0xDE: ("map", _U16), 0xDF: ("map", _U32),
-             0xC7: ("ext", _U8), 0xC8: ("ext", _U16), 0xC9: ("ext", _U32)}
-    if tag in sized:
-      kind, fmt = sized[tag]
+    if tag in _SIZED:
+      kind, fmt = _SIZED[tag]
       return kind, self._unpack(fmt), offset
     if 0xD4 <= tag <= 0xD8:
       return "ext", 1 << (tag - 0xD4), offset
@@ -581,7 +750,12 @@ class _Reader:
     if depth > MAX_DEPTH:
       raise self.error(f"nesting deeper than {MAX_DEPTH} levels")
     kind, n, offset = self._header()
-    if kind in ("int", "float"):
+    if kind == "int":
+      if not -5 <= n <= 256:
+        self._charge(_int_cost(n))
+      return n
+    if kind == "float":
+      self._charge(_COST_FLOAT)
       return n
     if kind == "nil":
       return None
@@ -591,16 +765,28 @@ class _Reader:
       return self._str(n, offset)
     if kind == "bin":
       start = self._take(n)
+      self._charge(_alloc(_SIZEOF_BYTES + n))
       return bytes(self._view[start:start + n])
     if kind == "array":
       self._check_count(n, 1)
-      return [self._value(depth + 1) for _ in range(n)]
+      self._charge(_alloc(_SIZEOF_LIST + 8 * n))
+      items = [None] * n
+      for i in range(n):
+        items[i] = self._value(depth + 1)
+      return items
     if kind == "map":
       self._check_count(n, 2)
+      self._charge(_COST_DICT)
       out = {}
       for _ in range(n):
         key = self._key(depth)
-        out[key] = self._value(depth + 1)
+        value = self._value(depth + 1)
+        size = len(out)
+        cost = _COST_DICT_ITEM if size else _COST_DICT_TABLE
+        self._charge(cost)
+        out[key] = value
+        if len(out) == size:  # a repeated key: the dict did not grow
+          self._left += cost
       return out
     return self._ext(n, offset)
 
@@ -612,18 +798,35 @@ class _Reader:
                        f"{self._end - self._pos} bytes left in the file")
 
   def _key(self, depth: int) -> Any:
+    """A map key: a str, bytes, int, bool or None.
+
+    Containers and arrays are refused (containers before they are built), and
+    so are floats and complex numbers: their hashes are easy to make collide,
+    which would make building a dict of them quadratic (Flax writes only
+    string keys).
+    """
     offset = self._pos
+    if offset < self._end:
+      tag = self._view[offset]
+      if 0x80 <= tag <= 0x8F or tag in (0xDE, 0xDF):
+        raise self.error("map key of type dict", offset)
+      if 0x90 <= tag <= 0x9F or tag in (0xDC, 0xDD):
+        raise self.error("map key of type list", offset)
     key = self._value(depth + 1)
-    if isinstance(key, (list, dict, np.ndarray, np.generic)):
+    if isinstance(key, (list, dict, float, complex, np.ndarray, np.generic)):
       raise self.error(f"map key of type {type(key).__name__}", offset)
     return key
 
   def _str(self, n: int, offset: int) -> str:
     start = self._take(n)
+    estimate = _alloc(80 + 4 * n)  # up to 4 bytes per code point
+    self._charge(estimate)
     try:
-      return str(self._view[start:start + n], "utf-8")
+      text = str(self._view[start:start + n], "utf-8")
     except UnicodeDecodeError as e:
       raise self.error(f"invalid UTF-8 in string: {e.reason}", offset) from None
+    self._left += estimate - _str_cost(text)
+    return text
 
   def _ext(self, n: int, offset: int) -> Any:
     code = self._unpack(_I8)
@@ -632,6 +835,8 @@ class _Reader:
       arr = self._ndarray(start, start + n, offset)
       if code == _EXT_NDARRAY:
         return arr
+      self._charge(_alloc(_COST_ARRAY + _COST_ARRAY_DIM * arr.ndim)
+                   if arr.ndim else _alloc(_COST_NPSCALAR + arr.nbytes))
       try:
         return arr[()]
       except (SystemError, ValueError):
@@ -642,55 +847,67 @@ class _Reader:
       return self._complex(start, start + n, offset)
     raise self.error(f"unknown msgpack ext type {code}", offset)
 
+  def _within(self, start: int, end: int) -> int:
+    """Confines parsing to [start, end); returns the end to restore."""
+    saved, self._pos, self._end = self._end, start, end
+    return saved
+
   def _complex(self, start: int, end: int, offset: int) -> complex:
     """Parses a complex ext payload: a msgpack pair of numbers, nothing else."""
-    sub = self._sub(start, end)
-    kind, n, _ = sub._header()
-    parts = []
-    if kind == "array" and n == 2:
-      for _ in range(2):
-        kind, value, _ = sub._header()
-        if kind not in ("int", "float"):
-          break
-        parts.append(value)
-    if len(parts) != 2 or sub._pos != end:
-      raise self.error("complex ext does not hold (real, imag)", offset)
+    saved = self._within(start, end)
+    try:
+      kind, n, _ = self._header()
+      parts = []
+      if kind == "array" and n == 2:
+        for _ in range(2):
+          kind, value, _ = self._header()
+          if kind not in ("int", "float"):
+            break
+          parts.append(value)
+      if len(parts) != 2 or self._pos != end:
+        raise self.error("complex ext does not hold (real, imag)", offset)
+    finally:
+      self._pos, self._end = end, saved
+    self._charge(_COST_COMPLEX)
     return complex(parts[0], parts[1])
-
-  def _sub(self, start: int, end: int) -> "_Reader":
-    sub = _Reader.__new__(_Reader)
-    sub.__dict__.update(self.__dict__)
-    sub._pos, sub._end = start, end
-    return sub
 
   def _ndarray_parts(self, start: int, end: int,
                      offset: int) -> tuple[tuple, np.dtype, int, int]:
     """Parses an ndarray ext payload: (shape, dtype, data offset, data size)."""
-    sub = self._sub(start, end)
-    kind, n, _ = sub._header()
+    saved = self._within(start, end)
+    try:
+      return self._ndarray_payload(end, offset)
+    finally:
+      self._pos, self._end = end, saved
+
+  def _ndarray_payload(self, end: int,
+                       offset: int) -> tuple[tuple, np.dtype, int, int]:
+    kind, n, _ = self._header()
     if kind != "array" or n != 3:
       raise self.error("ndarray ext is not a (shape, dtype, data) triple",
                        offset)
-    kind, ndim, shape_at = sub._header()
+    kind, ndim, shape_at = self._header()
     if kind != "array" or ndim > MAX_NDIM:
       raise self.error("ndarray shape is not a list of at most "
                        f"{MAX_NDIM} sizes", shape_at)
     shape = []
     for _ in range(ndim):
-      kind, dim, dim_at = sub._header()
+      kind, dim, dim_at = self._header()
       if kind != "int" or not 0 <= dim <= sys.maxsize:
         raise self.error("ndarray shape holds a non-size value", dim_at)
       shape.append(dim)
-    kind, n, name_at = sub._header()
+    kind, n, name_at = self._header()
     if kind not in ("str", "bin"):
       raise self.error("ndarray dtype name is not a string", name_at)
-    name_start = sub._take(n)
-    dtype = self._dtype(bytes(self._view[name_start:name_start + n]), name_at)
-    kind, n, data_at = sub._header()
+    name_start = self._take(n)
+    # Names longer than 32 bytes are refused; 41 bytes make the message.
+    dtype = self._dtype(bytes(self._view[name_start:name_start + min(n, 41)]),
+                        name_at)
+    kind, n, data_at = self._header()
     if kind not in ("bin", "str"):
       raise self.error("ndarray data is not a byte string", data_at)
-    data_start = sub._take(n)
-    if sub._pos != end:
+    data_start = self._take(n)
+    if self._pos != end:
       raise self.error("ndarray ext has trailing bytes", offset)
     count = nonzero = 1
     for dim in shape:
@@ -707,17 +924,24 @@ class _Reader:
 
   def _ndarray(self, start: int, end: int, offset: int) -> np.ndarray:
     shape, dtype, data_start, count = self._ndarray_parts(start, end, offset)
-    arr = np.frombuffer(self._buf, dtype=dtype, count=count,
-                        offset=data_start).reshape(shape)
-    return arr.copy() if self._writable else arr
+    view = _alloc(_COST_ARRAY + _COST_ARRAY_DIM * len(shape))
+    self._charge(view)
+    arr = np.ndarray(shape, dtype, buffer=self._buf, offset=data_start)
+    if not self._writable:
+      return arr
+    self._charge(view + _alloc(count * dtype.itemsize))
+    return arr.copy()
 
   def _dtype(self, raw: bytes, offset: int) -> np.dtype:
+    cached = raw in _DTYPE_CACHE
     dtype = _dtype_from_name(raw)
     if dtype is None:
       raise self.error(f"unknown dtype name {raw[:40]!r}", offset)
     if (dtype.hasobject or dtype.itemsize == 0 or dtype.fields is not None or
         dtype.subdtype is not None):
       raise self.error(f"unsupported dtype {dtype}", offset)
+    if not cached:
+      self._charge(_COST_DTYPE)
     return dtype
 
   # -- partial reads -------------------------------------------------------------
@@ -747,7 +971,10 @@ class _Reader:
                          "map", offset)
       self._check_count(n, 2)
       for _ in range(n):
-        if self._key(depth) == key:
+        mark = self._left
+        match = self._key(depth) == key
+        self._left = mark  # the key is dropped
+        if match:
           break
         self._skip(depth + 1)
       else:
@@ -757,71 +984,233 @@ class _Reader:
         found = self._value(depth + 1)
     return found
 
-  def _describe(self, path: str, depth: int, out: list) -> None:
+  def _transient(self, depth: int) -> None:
+    """Decodes one value to check it, and drops it."""
+    mark = self._left
+    self._value(depth)
+    self._left = mark
+
+  # -- inspect -------------------------------------------------------------------
+
+  def _describe(self, path: str, depth: int, out: list, want: int) -> Any:
+    """Appends the LeafInfos of one value to `out`, in one pass.
+
+    Args:
+      path: The value's path.
+      depth: Its nesting depth.
+      out: Where its leaves go.
+      want: `_WANT_NOTHING`, `_WANT_SUMMARY` or `_WANT_ENTRIES`: what to
+        return about the value (see their definitions).
+
+    Returns:
+      What `want` asks for, or None.
+    """
     if depth > MAX_DEPTH:
       raise self.error(f"nesting deeper than {MAX_DEPTH} levels")
     at = self._pos
     kind, n, offset = self._header()
     if kind == "map":
-      self._check_count(n, 2)
-      keys_at, described = self._pos, len(out)
-      items = []
-      for _ in range(n):
-        items.append(self._key(depth))
-        if items[-1] == _CHUNKED_KEY:
-          break
-        self._describe(f"{path}/{items[-1]}", depth + 1, out)
-      if items and items[-1] == _CHUNKED_KEY:
-        self._pos = keys_at
-        del out[described:]
-        out.append(self._describe_chunked(path, n, depth, offset))
-      return
+      return self._describe_map(path, n, depth, offset, out, want)
     if kind == "ext":
       code = self._unpack(_I8)
       start = self._take(n)
       if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
         shape, dtype, data_at, count = self._ndarray_parts(start, start + n,
                                                            offset)
-        out.append(LeafInfo(path, "ndarray" if code == _EXT_NDARRAY else
-                            "npscalar", dtype.name, shape,
-                            count * dtype.itemsize, data_at))
-        return
+        nbytes = count * dtype.itemsize
+        self._leaf(out, path, "ndarray" if code == _EXT_NDARRAY else
+                   "npscalar", self._dtype_name(dtype), shape, nbytes, data_at)
+        # load makes an np.ndarray of it (a numpy scalar if code 3 and 0-d).
+        if want and (code == _EXT_NDARRAY or shape):
+          self._charge(_COST_PAIR)
+          return _Chunk(dtype, len(shape), count, nbytes, data_at)
+        return None
       self._pos = at
-      self._value(depth)
-      out.append(LeafInfo(path, "complex", None, None, 0, at))
-      return
-    self._pos = at
-    value = self._value(depth)
-    names = {type(None): "none", bool: "bool", int: "int", float: "float",
-             str: "str", bytes: "bytes", list: "list"}
-    out.append(LeafInfo(path, names.get(type(value), type(value).__name__),
-                        None, None, 0, at))
+      self._transient(depth)
+      self._leaf(out, path, "complex", None, None, 0, at)
+      return None
+    if kind == "array":
+      self._pos = at
+      self._transient(depth)
+    elif kind == "str":
+      mark = self._left
+      self._str(n, offset)  # checks the UTF-8
+      self._left = mark
+    elif kind == "bin":
+      self._take(n)
+    self._leaf(out, path, _LEAF_KINDS[kind], None, None, 0, at)
+    return n if want and kind == "int" else None
 
-  def _describe_chunked(self, path: str, n: int, depth: int,
-                        offset: int) -> LeafInfo:
-    chunked = {}
+  def _describe_map(self, path: str, n: int, depth: int, offset: int,
+                    out: list, want: int) -> Optional[list]:
+    """Describes a map's entries; a chunked array's map becomes one leaf.
+
+    Whether a map is a chunked array is known only after its last key; its
+    entries are described as they come, and the shape and chunks that make
+    it one leaf are gathered on the way (`_WANT_ENTRIES`), so nothing is
+    parsed twice.
+    """
+    self._check_count(n, 2)
+    deferred, self._deferred = self._deferred, None
+    first = len(out)
+    chunked = False
+    fields: dict[str, Any] = {}
+    entries: Optional[list] = [] if want == _WANT_ENTRIES else None
     for _ in range(n):
+      mark = self._left
       key = self._key(depth)
-      if key == "chunks":
-        kind, count, chunks_at = self._header()
-        if kind != "map":
-          raise self.error("chunked array 'chunks' is not a map", chunks_at)
-        self._check_count(count, 2)
-        infos = []
-        for _ in range(count):
-          self._key(depth + 1)
-          sub: list = []
-          self._describe(path, depth + 2, sub)
-          infos.extend(sub)
-        chunked[key] = infos
+      key_cost = mark - self._left
+      child = self._child_path(path, key)
+      field = None
+      if type(key) is str:
+        if key == _CHUNKED_KEY:
+          chunked = True
+        elif key == "shape" or key == "chunks":
+          field = "shape" if key == "shape" else "chunks"  # not `key` itself
+      if entries is None:
+        del key
+        self._left += key_cost
+      if field is not None:
+        child_want = _WANT_ENTRIES
       else:
-        chunked[key] = self._value(depth + 1)
-    infos = chunked.get("chunks") or []
-    shape = _chunked_shape(chunked.get("shape"))
-    if shape is None or not infos or any(i.kind != "ndarray" for i in infos):
-      raise self.error("malformed chunked array", offset)
-    return LeafInfo(path, "ndarray", infos[0].dtype, shape,
-                    sum(i.nbytes for i in infos), infos[0].offset)
+        child_want = _WANT_NOTHING if entries is None else _WANT_SUMMARY
+      result = self._describe(child, depth + 1, out, child_want)
+      del child
+      if field is not None:
+        if not fields:
+          self._charge(_COST_DICT + _COST_DICT_TABLE)
+        fields[field] = result if isinstance(result, list) else None
+      if entries is not None:
+        self._charge(_COST_PAIR)
+        entries.append((key, None if isinstance(result, list) else result))
+    if chunked:
+      # What the entries described is moot: load returns one array, and
+      # ignores what the map holds besides its shape and chunks.
+      del out[first:]
+      self._deferred = self._chunked_leaf(path, fields, offset, out)
+    if deferred is not None:
+      self._deferred = deferred
+    return entries
+
+  def _chunked_leaf(self, path: str, fields: dict, offset: int,
+                    out: list) -> Optional[FlaxFormatError]:
+    """Appends the leaf of a chunked array's map, or returns why it is not one.
+
+    The checks are `load`'s (`_chunk_layout`), on what the map's "shape" and
+    "chunks" entries hold.
+    """
+    shape = self._as_dict(fields.get("shape"))
+    chunks = self._as_dict(fields.get("chunks"))
+    layout = _chunk_layout(shape, chunks, _chunk_info)
+    if isinstance(layout, str):
+      return self.error(layout, offset)
+    dims, parts = layout
+    self._leaf(out, path, "ndarray", self._dtype_name(parts[0].dtype), dims,
+               sum(p.nbytes for p in parts), parts[0].offset)
+    return None
+
+  def _as_dict(self, entries: Optional[list]) -> Optional[dict]:
+    """The dict `load` builds from these (key, value) pairs (later keys win)."""
+    if entries is None:
+      return None
+    self._charge(_COST_DICT + _COST_DICT_TABLE +
+                 _COST_DICT_ITEM * len(entries))
+    return dict(entries)
+
+  def _child_path(self, path: str, key: Any) -> str:
+    """f"{path}/{key}", charged (its estimate first, then its real size)."""
+    if type(key) is str:
+      if key.isascii() and path.isascii():  # the size is known: 49 + length
+        self._charge(_alloc(_SIZEOF_STR + len(path) + 1 + len(key)))
+        return f"{path}/{key}"
+      text, text_cost = key, 0
+    else:
+      text_cost = _alloc(80 + 4 * len(key)) if type(key) is bytes else 128
+      self._charge(text_cost)
+      text = str(key)
+    estimate = _alloc(80 + 4 * (len(path) + 1 + len(text)))
+    self._charge(estimate)
+    child = f"{path}/{text}"
+    self._left += estimate + text_cost - _str_cost(child)
+    return child
+
+  def _leaf(self, out: list, path: str, kind: str, dtype: Optional[str],
+            shape: Optional[tuple], nbytes: int, offset: int) -> None:
+    # nbytes and offset are below the file's size: small ints.
+    cost = (_COST_LEAF + (_COST_INT if nbytes > 256 else 0) +
+            (_COST_INT if offset > 256 else 0))
+    if shape:
+      cost += _alloc(_SIZEOF_TUPLE + 8 * len(shape))
+      for dim in shape:
+        cost += _int_cost(dim)
+    self._charge(cost)
+    out.append(LeafInfo(path, kind, dtype, shape, nbytes, offset))
+
+  def _dtype_name(self, dtype: np.dtype) -> str:
+    """`dtype.name`, one string per dtype and reader."""
+    name = self._names.get(dtype)
+    if name is None:
+      name = dtype.name
+      self._charge(_COST_DICT_TABLE + _str_cost(name))
+      self._names[dtype] = name
+    return name
+
+
+# A LeafInfo and its slot in the list (which grows by 1/8 and is copied).
+_COST_LEAF = _alloc(sys.getsizeof(LeafInfo("", "", None, None, 0, 0))) + 24
+
+
+def _chunk_info(part: Any) -> Optional[tuple[int, np.dtype, int]]:
+  """(ndim, dtype, size) of what `inspect` saw of a chunk, if an array."""
+  if isinstance(part, _Chunk):
+    return part.ndim, part.dtype, part.count
+  return None
+
+
+def _array_info(part: Any) -> Optional[tuple[int, np.dtype, int]]:
+  """(ndim, dtype, size) of a decoded chunk, if an array."""
+  if isinstance(part, np.ndarray):
+    return part.ndim, part.dtype, part.size
+  return None
+
+
+def _chunk_layout(shape_map: Any, chunks: Any,
+                  info: Callable[[Any], Optional[tuple[int, np.dtype, int]]]
+                  ) -> Union[str, tuple[tuple, list]]:
+  """Checks a chunked array's "shape" and "chunks" as `load` needs them.
+
+  Args:
+    shape_map: The "shape" value: {"0": dim, "1": dim, ...}.
+    chunks: The "chunks" value: {"0": 1-D array, "1": ...}.
+    info: (ndim, dtype, size) of a chunk, or None if it is not an array.
+
+  Returns:
+    (shape, chunks in order), or the message of what is wrong.
+  """
+  if isinstance(shape_map, dict) and len(shape_map) > MAX_NDIM:
+    return (f"chunked array shape has {len(shape_map)} dimensions, numpy "
+            f"allows {MAX_NDIM}")
+  shape = _chunked_shape(shape_map)
+  if shape is None or not isinstance(chunks, dict):
+    return "malformed chunked array"
+  try:
+    parts = [chunks[str(i)] for i in range(len(chunks))]
+  except KeyError:
+    return "chunked array is missing a chunk"
+  infos = [info(p) for p in parts]
+  if not infos or not all(i is not None and i[0] == 1 and
+                          i[1] == infos[0][1] for i in infos):
+    return "chunked array chunks are not 1-D arrays of one dtype"
+  total = sum(i[2] for i in infos)
+  count = nonzero = 1
+  for dim in shape:
+    count *= dim
+    nonzero *= max(dim, 1)
+  if nonzero * infos[0][1].itemsize > sys.maxsize:
+    return f"chunked array shape {shape} is too large for numpy"
+  if total != count:
+    return f"chunked array of shape {shape} has {total} elements"
+  return shape, parts
 
 
 def _chunked_shape(shape: Any) -> Optional[tuple]:
@@ -849,29 +1238,18 @@ def _unchunk(value: Any, reader: _Reader) -> Any:
 
 
 def _join_chunks(value: dict, reader: _Reader) -> np.ndarray:
-  shape = _chunked_shape(value.get("shape"))
-  chunks = value.get("chunks")
-  if shape is None or not isinstance(chunks, dict):
-    raise reader.error("malformed chunked array", None)
-  try:
-    parts = [chunks[str(i)] for i in range(len(chunks))]
-  except KeyError:
-    raise reader.error("chunked array is missing a chunk", None) from None
-  if not parts or not all(isinstance(p, np.ndarray) and p.ndim == 1 and
-                          p.dtype == parts[0].dtype for p in parts):
-    raise reader.error("chunked array chunks are not 1-D arrays of one dtype",
-                       None)
-  total = sum(p.size for p in parts)
-  count = 1
-  for dim in shape:
-    count *= dim
-  if total != count:
-    raise reader.error(f"chunked array of shape {shape} has {total} elements",
-                       None)
+  layout = _chunk_layout(value.get("shape"), value.get("chunks"), _array_info)
+  if isinstance(layout, str):
+    raise reader.error(layout, None)
+  shape, parts = layout
+  view = _alloc(_COST_ARRAY + _COST_ARRAY_DIM * len(shape))
+  reader._charge(2 * view + _alloc(sum(p.nbytes for p in parts)))  # pylint: disable=protected-access
   return np.concatenate(parts).reshape(shape)
 
 
 _DTYPE_CACHE: dict[bytes, Optional[np.dtype]] = {}
+# The cache holds at most this many names (hostile files may hold many).
+_DTYPE_CACHE_SIZE = 256
 
 
 def _dtype_from_name(raw: bytes) -> Optional[np.dtype]:
@@ -892,7 +1270,9 @@ def _dtype_from_name(raw: bytes) -> Optional[np.dtype]:
       dtype = _parse_dtype_name(name)
     except (TypeError, ValueError, OverflowError):
       dtype = None
-  if dtype is not None:  # only names that parse: hostile ones stay uncached
+  # Only names that parse are cached (hostile ones stay out), and only so
+  # many (a file may name a million distinct void or str dtypes).
+  if dtype is not None and len(_DTYPE_CACHE) < _DTYPE_CACHE_SIZE:
     _DTYPE_CACHE[raw] = dtype
   return dtype
 

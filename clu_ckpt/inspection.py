@@ -11,6 +11,11 @@ Synopsis::
   print(inspection.format_inspect(report))
   problems = inspection.verify_path("/work/ckpts")["problems"]   # [] if sound
 
+Nothing outside the directory is read on its behalf: checkpoints that
+TensorFlow's `checkpoint` file lists elsewhere (absolute paths, `..`), and
+files that are symlinks leading out of the directory, are reported as
+problems and not read; so are files that are not regular files.
+
 Paths understood: a `Checkpoint` base directory, a `MultihostCheckpoint` base
 (`<base>-0`, `<base>-1`, ... beside it), a single `.flax` file, and an Orbax
 CheckpointManager root written by `clu-ckpt migrate` (read from Orbax's JSON
@@ -27,6 +32,7 @@ import re
 from typing import Any, Optional
 
 from clu_ckpt import flax_format
+from clu_ckpt import layout
 from clu_ckpt.checkpoint import host_directories
 from clu_ckpt import storage
 
@@ -38,21 +44,73 @@ _FLAX_RE = re.compile(r"^(?P<name>.+)-(?P<number>\d+)\.flax$")
 # --------------------------------------------------------------------------
 
 
-def list_checkpoints(directory: str) -> list[dict[str, Any]]:
+def read_state(directory: str, problems: list) -> Optional[Any]:
+  """TensorFlow's state of `directory`, its listed paths contained.
+
+  Args:
+    directory: A `Checkpoint` base directory.
+    problems: Gets a sentence for an unreadable or unparsable `checkpoint`
+      file and for each listed checkpoint outside `directory`.
+
+  Returns:
+    The `storage.CheckpointState` with only the entries inside `directory`
+    (`model_checkpoint_path` is None when the latest is elsewhere), or None.
+  """
+  try:
+    state = storage.read_checkpoint_state(directory, strict=True)
+  except (OSError, ValueError) as e:
+    problems.append(str(e))
+    return None
+  if state is None:
+    return None
+  state_file = storage.join(directory, storage.STATE_FILENAME)
+  inside = []
+  for path in dict.fromkeys(state.all_model_checkpoint_paths +
+                            [state.model_checkpoint_path]):
+    if layout.is_contained(directory, path):
+      inside.append(path)
+    else:
+      problems.append(f"{state_file}: lists {path}, which is outside "
+                      f"{directory}; refused")
+  state.all_model_checkpoint_paths = [
+      p for p in state.all_model_checkpoint_paths if p in inside]
+  if state.model_checkpoint_path not in inside:
+    state.model_checkpoint_path = None
+  return state
+
+
+def _readable(directory: str, name: str, problems: list) -> bool:
+  """Whether `directory/name` may be read: inside, and a regular file."""
+  path = storage.join(directory, name)
+  try:
+    layout.check_inside(directory, path)
+    storage.check_regular_file(path)
+  except (OSError, ValueError) as e:
+    problems.append(str(e))
+    return False
+  return True
+
+
+def list_checkpoints(directory: str,
+                     problems: Optional[list] = None) -> list[dict[str, Any]]:
   """Every numbered `.flax` in a CLU directory, committed or not.
 
   Args:
     directory: A `Checkpoint` base directory.
+    problems: Gets a sentence for each file that cannot be read: a symlink
+      leading outside `directory`, not a regular file, unreadable; such a
+      checkpoint is listed with `readable` False. Also see `read_state`.
 
   Returns:
     One dict per `<name>-<number>.flax`, sorted by name and number: `name`,
     `number`, `prefix` (path without extension), `committed` (listed in TF's
     `checkpoint` file with its `.index` present), `latest`, `flax_bytes`,
-    `tf_bytes`, `mtime` (ISO 8601, UTC) and `tf_files`.
+    `tf_bytes`, `mtime` (ISO 8601, UTC), `tf_files` and `readable`.
   """
-  state = storage.read_checkpoint_state(directory)
+  problems = [] if problems is None else problems
+  state = read_state(directory, problems)
   committed = set(state.all_model_checkpoint_paths) if state else set()
-  if state:
+  if state and state.model_checkpoint_path:
     committed.add(state.model_checkpoint_path)
   latest = state.model_checkpoint_path if state else None
   files = storage.listdir(directory)
@@ -65,10 +123,15 @@ def list_checkpoints(directory: str) -> list[dict[str, Any]]:
     stem = name[:-len(".flax")]
     tf_files = sorted(f for f in files
                       if f == f"{stem}.index" or f.startswith(f"{stem}.data-"))
-    size, mtime = storage.stat(storage.join(directory, name))
-    tf_bytes = sum(storage.stat(storage.join(directory, f))[0]
-                   for f in tf_files)
-    out.append(dict(
+    readable = all([_readable(directory, f, problems)
+                    for f in [name] + tf_files])
+    size = tf_bytes = 0
+    mtime = 0.0
+    if readable:
+      size, mtime = storage.stat(storage.join(directory, name))
+      tf_bytes = sum(storage.stat(storage.join(directory, f))[0]
+                     for f in tf_files)
+    out.append(dict(readable=readable,
         name=m.group("name"), number=int(m.group("number")), prefix=prefix,
         committed=prefix in committed and f"{stem}.index" in tf_files,
         latest=prefix == latest, flax_bytes=size, tf_bytes=tf_bytes,
@@ -137,13 +200,19 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
   Returns:
     A JSON-ready dict: `kind` ("flax_file", "checkpoint_dir",
     "multihost"), `checkpoints` (number, step, bytes, time, hosts, committed)
-    and `tree` (see `tree_summary`) for the chosen checkpoint.
+    and `tree` (see `tree_summary`) for the chosen checkpoint, and
+    `problems`: sentences naming what was refused or could not be read
+    (entries outside the directory, files that are not regular files).
 
   Raises:
     FileNotFoundError: Nothing checkpoint-like at `path`.
+    OSError: `path` is not a regular file or directory, or cannot be read.
+    flax_format.FlaxFormatError: The chosen `.flax` is corrupt.
   """
   if storage.exists(path) and not storage.isdir(path):
-    return dict(kind="flax_file", path=path, tree=tree_summary(path))
+    storage.check_regular_file(path)
+    return dict(kind="flax_file", path=path, tree=tree_summary(path),
+                problems=[])
   if is_orbax_root(path):
     return inspect_orbax_root(path, checkpoint)
   hosts = host_directories(path)
@@ -153,17 +222,18 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
     raise FileNotFoundError(f"No CLU checkpoint directory, multihost base or "
                             f".flax file at {path}")
   rows: dict[tuple, dict[str, Any]] = {}
+  problems: list[str] = []
   for host, directory in hosts.items():
-    for c in list_checkpoints(directory):
+    for c in list_checkpoints(directory, problems):
       row = rows.setdefault((c["name"], c["number"]), dict(
           name=c["name"], number=c["number"], step=None, bytes=0,
           time=c["mtime"], hosts=[], committed_hosts=[], torn_hosts=[]))
       row["bytes"] += c["flax_bytes"] + c["tf_bytes"]
       row["time"] = max(row["time"], c["mtime"])
       row["hosts"].append(host)
-      (row["committed_hosts"] if c["committed"] else
+      (row["committed_hosts"] if c["committed"] and c["readable"] else
        row["torn_hosts"]).append(host)
-      if row["step"] is None and c["committed"]:
+      if row["step"] is None and c["committed"] and c["readable"]:
         row["step"] = _step_of(c["prefix"] + ".flax")
   checkpoints = [rows[k] for k in sorted(rows)]
   for row in checkpoints:
@@ -174,12 +244,15 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
   if chosen is not None:
     first_host = chosen["committed_hosts"][0] if chosen[
         "committed_hosts"] else chosen["hosts"][0]
-    tree = tree_summary(storage.join(
-        hosts[first_host], f"{chosen['name']}-{chosen['number']}.flax"))
+    flax_path = storage.join(
+        hosts[first_host], f"{chosen['name']}-{chosen['number']}.flax")
+    layout.check_inside(hosts[first_host], flax_path)
+    storage.check_regular_file(flax_path)
+    tree = tree_summary(flax_path)
     tree["number"] = chosen["number"]
   return dict(kind="multihost" if None not in hosts else "checkpoint_dir",
               path=path, hosts=[h for h in hosts if h is not None],
-              checkpoints=checkpoints, tree=tree)
+              checkpoints=checkpoints, tree=tree, problems=problems)
 
 
 def _has_checkpoints(directory: str) -> bool:
@@ -236,6 +309,8 @@ def format_inspect(report: dict[str, Any]) -> str:
     table.append(("total", str(len(tree["leaves"])),
                   _human(tree["total_bytes"])))
     lines += _table(table)
+  for problem in report.get("problems") or []:
+    lines.append(f"PROBLEM: {problem}")
   return "\n".join(lines)
 
 
@@ -290,9 +365,12 @@ def verify_path(path: str) -> dict[str, Any]:
   trees: dict[int, dict[Any, list]] = collections.defaultdict(dict)
   numbers: dict[Any, set] = {}
   for host, directory in hosts.items():
-    found = [c for c in list_checkpoints(directory) if c["committed"]]
-    state = storage.read_checkpoint_state(directory)
+    found = [c for c in list_checkpoints(directory, problems)
+             if c["committed"] and c["readable"]]
+    state = read_state(directory, [])  # its problems are reported above
     listed = set(state.all_model_checkpoint_paths) if state else set()
+    if state and state.model_checkpoint_path:
+      listed.add(state.model_checkpoint_path)
     for prefix in sorted(listed):
       if not storage.exists(prefix + ".flax"):
         problems.append(f"{prefix}.flax: missing for a checkpoint listed in "
@@ -315,6 +393,11 @@ def verify_path(path: str) -> dict[str, Any]:
 
 
 def _verify_flax(path: str, problems: list, checked: int) -> dict[str, Any]:
+  try:
+    storage.check_regular_file(path)
+  except OSError as e:
+    problems.append(str(e))
+    return dict(ok=False, checked=checked, problems=problems)
   _decode_fully(path, problems)
   return dict(ok=not problems, checked=checked + 1, problems=problems)
 

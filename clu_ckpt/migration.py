@@ -37,6 +37,7 @@ import asyncio
 import dataclasses
 import datetime
 import os
+import re
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -46,6 +47,7 @@ import numpy as np
 from clu_ckpt import __version__
 from clu_ckpt import checkpoint as clu_checkpoint
 from clu_ckpt import flax_format
+from clu_ckpt import layout
 from clu_ckpt import storage
 
 FORMAT = "clu_ckpt.migration/1"
@@ -244,22 +246,44 @@ def _normalize(path: str) -> str:
 
 
 def _kept_checkpoints(directory: str) -> dict[int, str]:
-  """Checkpoint number -> prefix, for what TF's `checkpoint` file keeps."""
+  """Checkpoint number -> prefix, for what TF's `checkpoint` file keeps.
+
+  Raises:
+    MigrationError: The `checkpoint` file cannot be read or parsed, lists a
+      checkpoint outside `directory`, or a file of a kept checkpoint leads
+      outside `directory` (a symlink) or is not a regular file.
+  """
   try:
-    state = storage.read_checkpoint_state(directory)
-  except ValueError as e:
-    raise MigrationError(f"{directory}/checkpoint: {e}") from None
+    state = storage.read_checkpoint_state(directory, strict=True)
+  except (OSError, ValueError) as e:
+    raise MigrationError(str(e)) from None
   if state is None:
     return {}
   paths = list(state.managed_checkpoints())
   if state.model_checkpoint_path not in paths:
     paths.append(state.model_checkpoint_path)
+  names = storage.listdir(directory)
   kept = {}
   for path in paths:
+    try:
+      layout.check_inside(directory, path)
+    except layout.OutsideDirectoryError as e:
+      raise MigrationError(
+          f"{storage.join(directory, storage.STATE_FILENAME)}: {e}") from None
     try:
       info = clu_checkpoint.CheckpointInfo.from_path(path)
     except ValueError:
       continue
+    stem = os.path.basename(path)
+    for name in names:
+      if name.startswith(f"{stem}.") and (
+          name in (f"{stem}.flax", f"{stem}.index") or
+          name.startswith(f"{stem}.data-")):
+        try:
+          layout.check_inside(directory, storage.join(directory, name))
+          storage.check_regular_file(storage.join(directory, name))
+        except (OSError, ValueError) as e:
+          raise MigrationError(str(e)) from None
     kept[info.number] = clu_checkpoint.safe_normpath(path)
   return kept
 
@@ -862,10 +886,21 @@ def _bytes_view(arr: np.ndarray) -> np.ndarray:
 
 
 def describe_error(e: BaseException) -> str:
-  """A one-line message for an error, naming the file when there is one."""
+  """A one-line message for an error, naming the file when there is one.
+
+  TensorStore's I/O errors (several lines, the OS error buried in them) are
+  reduced to the file and the OS error: `<file>: [Errno 28] No space left on
+  device`.
+  """
   if isinstance(e, FileNotFoundError) and e.filename:
     return f"{e.filename}: file not found"
   text = str(e).strip()
+  code = re.search(r"os_error_code='(\d+)'", text)
+  if code:
+    files = re.findall(r'"(/[^"]+|[a-z0-9]+://[^"]+)"', text)
+    errno_ = int(code.group(1))
+    where = f"{files[-1]}: " if files else ""
+    return f"{where}[Errno {errno_}] {os.strerror(errno_)}"
   line = text.splitlines()[0] if text else ""
   if isinstance(e, (MigrationError, ValueError, OSError)):
     return line or type(e).__name__

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -225,3 +226,175 @@ def test_inspect_and_verify_import_neither_tensorflow_nor_jax(golden_copy):
       "assert not bad, bad\n")
   subprocess.run([sys.executable, "-c", code], check=True,
                  capture_output=True)
+
+
+# ---------------------------------------------------------------------------
+# Hostile or broken inputs: one line naming the path, exit 1 (2 for usage),
+# never a traceback (unless --verbose), never a hang. Run as a real process.
+# ---------------------------------------------------------------------------
+
+
+def _clu_ckpt(*argv, timeout=120):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  return subprocess.run([sys.executable, "-m", "clu_ckpt", *map(str, argv)],
+                        capture_output=True, text=True, timeout=timeout,
+                        env=env)
+
+
+def _in_process(capsys, *argv):
+  """`clu-ckpt argv` in this process: an exception escaping `main` (which a
+  terminal would show as a traceback) fails the test."""
+  code = cli.main([str(a) for a in argv])
+  out, err = capsys.readouterr()
+  return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def _assert_one_line_error(done, code, *needles):
+  assert done.returncode == code, done.stdout + done.stderr
+  assert "Traceback" not in done.stderr, done.stderr
+  last = done.stderr.strip().splitlines()[-1]
+  assert last.startswith("clu-ckpt "), done.stderr
+  for needle in needles:
+    assert str(needle) in last, last
+
+
+def _clu_dir(tmp_path, golden_copy):
+  return golden_copy("single_host")
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "migrate"])
+def test_symlink_loop_flax(capsys, tmp_path, golden_copy, command):
+  src = golden_copy("single_host")
+  (src / "ckpt-5.flax").unlink()
+  os.symlink("ckpt-5.flax", src / "ckpt-5.flax")
+  extra = [tmp_path / "dst"] if command == "migrate" else []
+  done = _in_process(capsys, command, src, *extra)
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert "Traceback" not in done.stderr
+  assert "ckpt-5.flax" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "migrate"])
+def test_empty_model_checkpoint_path(capsys, tmp_path, golden_copy, command):
+  src = golden_copy("single_host")
+  (src / "checkpoint").write_text('model_checkpoint_path: ""\n')
+  extra = [tmp_path / "dst"] if command == "migrate" else []
+  done = _in_process(capsys, command, src, *extra)
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert "Traceback" not in done.stderr
+  assert str(src) in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("content", [b"model_checkpoint_path: \"ckpt-5\xff\"\n",
+                                     b"garbage {{{\n"])
+def test_unparsable_state_file_is_an_error_not_nothing_to_migrate(
+    capsys, tmp_path, golden_copy, content):
+  src = golden_copy("single_host")
+  (src / "checkpoint").write_bytes(content)
+  done = _in_process(capsys, "migrate", src, tmp_path / "dst")
+  _assert_one_line_error(done, 1, src / "checkpoint")
+  assert "nothing to migrate" not in done.stdout
+  done = _in_process(capsys, "verify", src)
+  assert done.returncode == 1 and str(src / "checkpoint") in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["migrate", "SRC", ""],
+                                  ["migrate", "", "DST"],
+                                  ["inspect", ""], ["verify", ""]])
+def test_empty_path_is_bad_usage(capsys, tmp_path, golden_copy, argv):
+  src = golden_copy("single_host")
+  argv = [str(src) if a == "SRC" else str(tmp_path / "d") if a == "DST" else a
+          for a in argv]
+  done = _in_process(capsys, *argv)
+  _assert_one_line_error(done, 2, "is empty")
+  assert sorted(os.listdir(tmp_path)) == ["golden"]
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "migrate"])
+def test_latest_outside_the_directory_is_refused(capsys, tmp_path, golden_copy,
+                                                 command):
+  src = golden_copy("single_host")
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  for name in os.listdir(src):
+    if name.startswith("ckpt-5."):
+      shutil.copy(src / name, outside / name)
+  text = (src / "checkpoint").read_text().replace('"ckpt-5"',
+                                                  f'"{outside}/ckpt-5"')
+  (src / "checkpoint").write_text(text)
+  extra = [tmp_path / "dst"] if command == "migrate" else []
+  done = _in_process(capsys, command, src, *extra)
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert "Traceback" not in done.stderr
+  assert f"{outside}/ckpt-5" in done.stdout + done.stderr
+  assert "outside" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "migrate"])
+def test_symlink_out_of_the_directory_is_refused(capsys, tmp_path, golden_copy,
+                                                 command):
+  src = golden_copy("single_host")
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  shutil.move(src / "ckpt-5.flax", outside / "ckpt-5.flax")
+  os.symlink(outside / "ckpt-5.flax", src / "ckpt-5.flax")
+  extra = [tmp_path / "dst"] if command == "migrate" else []
+  done = _in_process(capsys, command, src, *extra)
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert "Traceback" not in done.stderr
+  assert "ckpt-5.flax" in done.stdout + done.stderr
+  assert "symlink" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "migrate"])
+@pytest.mark.parametrize("name", ["ckpt-5.flax", "checkpoint",
+                                  "ckpt-5.index"])
+def test_named_pipe_is_an_error_within_seconds(tmp_path, golden_copy, command,
+                                               name):
+  src = golden_copy("single_host")
+  (src / name).unlink()
+  os.mkfifo(src / name)
+  extra = [tmp_path / "dst"] if command == "migrate" else []
+  done = _clu_ckpt(command, src, *extra, timeout=60)
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert "Traceback" not in done.stderr
+  assert name in done.stdout + done.stderr
+  assert "named pipe" in done.stdout + done.stderr
+
+
+def test_verbose_shows_the_traceback(tmp_path, golden_copy):
+  done = _clu_ckpt("inspect", tmp_path / "nothing")
+  _assert_one_line_error(done, 1, tmp_path / "nothing")
+  done = _clu_ckpt("--verbose", "inspect", tmp_path / "nothing")
+  assert done.returncode == 1
+  assert "Traceback" in done.stderr
+
+
+def _mount_tmpfs(target, size):
+  if os.geteuid() != 0 or shutil.which("mount") is None:
+    return False
+  target.mkdir()
+  return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}",
+                         "tmpfs", str(target)],
+                        capture_output=True).returncode == 0
+
+
+def test_full_disk_during_migrate(tmp_path):
+  from clu import checkpoint as clu_checkpoint  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  src = tmp_path / "src"
+  ckpt = clu_checkpoint.Checkpoint(
+      str(src), dict(ds=iter(tf.data.Dataset.range(10))), max_to_keep=2)
+  ckpt.save({"w": np.random.default_rng(0).random((512, 1024), np.float32),
+             "step": 1})
+  disk = tmp_path / "disk"
+  if not _mount_tmpfs(disk, "1m"):
+    pytest.skip("cannot mount a small tmpfs here (needs root)")
+  try:
+    done = _clu_ckpt("migrate", src, disk / "orbax", "--compression", "none")
+  finally:
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+  _assert_one_line_error(done, 1, "No space left on device")
+  assert len(done.stderr.strip().splitlines()) <= 5, done.stderr
+  assert str(disk) in done.stderr

@@ -4,8 +4,12 @@ Flax itself is the oracle: the writer must produce exactly the bytes of
 `flax.serialization.to_bytes` and the reader must return what
 `flax.serialization.msgpack_restore` returns, over a zoo of states generated
 with hypothesis. Hostile input (truncations, bit flips, huge declared lengths,
-deep nesting, malformed ndarray payloads) may only ever raise `FlaxFormatError`
-naming the file and a byte offset.
+deep nesting, malformed ndarray payloads, impossible chunked shapes) may only
+ever raise `FlaxFormatError` naming the file and a byte offset; and whatever
+its shape (empty containers, nils, deep or long keys repeated in every path,
+tiny arrays, nested chunked-array maps, keys of one hash), decoding or
+inspecting it must cost at most `MEMORY_FACTOR` x its size + `MEMORY_BASE`
+bytes and time linear in its size, measured in child processes.
 
 Synopsis::
 
@@ -15,6 +19,8 @@ Synopsis::
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import dataclasses
 import json
 import math
 import mmap
@@ -1238,15 +1244,44 @@ _BAD_CHUNKED = {
                       "chunks": {"0": np.arange(4)}},
     "size-huge": {_CHUNK_KEY: True, "shape": {"0": 2**63, "1": 2**63},
                   "chunks": {"0": np.arange(4)}},
+    # Shapes no file can hold, or numpy cannot make (load used to raise a
+    # plain ValueError from reshape, inspect to describe them as if real).
+    "size-10**12-one-chunk": {_CHUNK_KEY: True, "shape": {"0": 10**12},
+                              "chunks": {"0": np.arange(3, dtype=np.int8)}},
+    "size-zero-times-huge": {_CHUNK_KEY: True, "shape": {"0": 0, "1": 2**63},
+                             "chunks": {"0": np.zeros(0, np.float32)}},
+    "size-zero-times-2**62": {_CHUNK_KEY: True,
+                              "shape": {"0": 0, "1": 2**62, "2": 2},
+                              "chunks": {"0": np.zeros(0, np.int8)}},
+    "dims-65": {_CHUNK_KEY: True, "shape": {str(i): 1 for i in range(65)},
+                "chunks": {"0": np.zeros(1, np.int8)}},
+    "dims-5000": {_CHUNK_KEY: True, "shape": {str(i): 1 for i in range(5000)},
+                  "chunks": {"0": np.zeros(1, np.int8)}},
+    "chunks-mixed-dtypes-same-size": {
+        _CHUNK_KEY: True, "shape": {"0": 4},
+        "chunks": {"0": np.zeros(2, np.float32), "1": np.zeros(2, np.int32)}},
+    "chunk-is-chunked": {_CHUNK_KEY: True, "shape": {"0": 2}, "chunks": {
+        "0": {_CHUNK_KEY: True, "shape": {"0": 2},
+              "chunks": {"0": np.zeros(2, np.int8)}}}},
+    "chunk-is-map-of-arrays": {_CHUNK_KEY: True, "shape": {"0": 4}, "chunks": {
+        "0": {"a": np.zeros(2, np.int8), "b": np.zeros(2, np.int8)}}},
+    "chunk-npscalar": {_CHUNK_KEY: True, "shape": {"0": 1},
+                       "chunks": {"0": np.int8(3)}},
+    "chunks-extra-key": {_CHUNK_KEY: True, "shape": {"0": 4},
+                         "chunks": {"0": np.zeros(4, np.int8), "x": 1}},
 }
 
 
 @pytest.mark.parametrize("name", sorted(_BAD_CHUNKED))
 def test_malformed_chunked_arrays_are_rejected(name, tmp_path):
+  # inspect reads only headers, but checks what load checks: the shape is
+  # one the chunks fill exactly, with 1-D chunks of one dtype.
   data = _pack({"p": {"w": _BAD_CHUNKED[name]}})
-  _assert_rejected(data, tmp_path, inspect_rejects=False)
+  _assert_rejected(data, tmp_path)
+  with pytest.raises(FlaxFormatError):
+    flax_format.inspect(data)
   _assert_rejected(data, None, subtree="p/w")
-  _assert_rejected(_pack(_BAD_CHUNKED[name]), tmp_path, inspect_rejects=False)
+  _assert_rejected(_pack(_BAD_CHUNKED[name]), tmp_path)
 
 
 def test_well_formed_handmade_chunked_array_is_accepted_as_a_control():
@@ -1266,6 +1301,454 @@ def test_well_formed_handmade_chunked_array_is_accepted_as_a_control():
          "truncated"])
 def test_malformed_complex_payloads_are_rejected(payload, tmp_path):
   _assert_rejected(msgpack.packb({"z": msgpack.ExtType(2, payload)}), tmp_path)
+
+
+# --------------------------------------------------------------------------
+# Bounded memory and linear time, whatever the shape of the input.
+# --------------------------------------------------------------------------
+#
+# Each hostile family below is built byte by byte to cost the reader as much
+# as possible per byte of file. A child process decodes and inspects it
+# (`_MEASURE`) and reports, per operation, its peak RSS growth and wall time:
+# the reader must return or raise FlaxFormatError within MEMORY_FACTOR x size
+# + MEMORY_BASE bytes and a time linear in the size. Legitimate states of
+# many small leaves must decode, within the same bounds.
+
+_MIB = 2**20
+# The size of each family's file: large enough that the amplification of an
+# unbounded reader shows over MEMORY_BASE, small enough that all of them take
+# seconds. Colliding keys cost an unbounded reader time quadratic in their
+# number: 1 MiB of them, a minute.
+_SHAPE_BYTES = _MIB // 2
+_SHAPE_BYTES_OF = {"colliding-keys": _MIB}
+# Seconds allowed per operation: the reader parses ~1 MiB of the worst shapes
+# per second on one laptop core; CI cores are slower and two children share
+# them.
+_SECONDS_BASE = 3.0
+_SECONDS_PER_MIB = 10.0
+
+
+def _map32(n: int) -> bytes:
+  return b"\xdf" + struct.pack(">I", n)
+
+
+def _array32(n: int) -> bytes:
+  return b"\xdd" + struct.pack(">I", n)
+
+
+def _mp(obj: Any) -> bytes:
+  return msgpack.packb(obj, use_bin_type=True)
+
+
+def _tiny_ext(code: int, shape: list, data: bytes) -> bytes:
+  return _mp(msgpack.ExtType(code, _mp([shape, "u1", data])))
+
+
+def _empty_maps(size: int) -> bytes:
+  """A list of empty maps: 1 byte each, a 64-byte dict each."""
+  n = size - 5
+  return _array32(n) + b"\x80" * n
+
+
+def _empty_lists(size: int) -> bytes:
+  n = size - 5
+  return _array32(n) + b"\x90" * n
+
+
+def _nils(size: int) -> bytes:
+  """{0: None, 0: None, ...}: a leaf (LeafInfo, path) per 2 bytes."""
+  n = (size - 5) // 2
+  return _map32(n) + b"\x00\xc0" * n
+
+
+def _deep(size: int) -> bytes:
+  """250 nested maps, then leaves: each leaf's path repeats all 250 keys."""
+  head = b"".join(b"\x81" + _mp(f"level{i:03d}") for i in range(250))
+  n = (size - len(head) - 5) // 9
+  return head + _map32(n) + b"".join(_mp(f"{i:07d}") + b"\xc0"
+                                     for i in range(n))
+
+
+def _wide(size: int) -> bytes:
+  """A wide map of tiny values under 16-bit int keys."""
+  n = (size - 5) // 4
+  return _map32(n) + b"".join(b"\xcd" + struct.pack(">H", i % 2**16) + b"\x01"
+                              for i in range(n))
+
+
+def _long_key(size: int) -> bytes:
+  """A key of half the file, then a leaf per 2 bytes: each path holds it."""
+  key = "k" * (size // 2)
+  n = (size - len(key) - 20) // 2
+  return b"\x81" + _mp(key) + _map32(n) + b"\x00\xc0" * n
+
+
+def _tiny_arrays(size: int) -> bytes:
+  """10-byte ndarray exts (empty arrays, 1-byte scalars): a view each."""
+  pair = _tiny_ext(1, [0], b"") + _tiny_ext(3, [], b"\x07")
+  assert len(pair) == 20
+  n = (size - 5) // 20
+  return _array32(2 * n) + pair * n
+
+
+def _chunked_level(inner: bytes, key: str = "x") -> bytes:
+  """A valid chunked array's map whose extra key holds `inner`, and whose
+  chunked-array key comes last (found only after `inner` is read)."""
+  return (b"\x84" + _mp("shape") + _mp({"0": 1}) + _mp("chunks") +
+          _mp({"0": msgpack.ExtType(1, _mp([[1], "u1", b"\x01"]))}) +
+          _mp(key) + inner + _mp(_CHUNK_KEY) + b"\xc3")
+
+
+def _rewind_linear(size: int, levels: int = 120) -> bytes:
+  """120 chunked arrays nested under their "x" keys, the bulk at the bottom:
+  a reader that re-reads a map once it knows it is a chunked array reads the
+  bottom 120 times."""
+  n = size - 60 * levels
+  data = _array32(n) + b"\x01" * n
+  for _ in range(levels):
+    data = _chunked_level(data)
+  return data
+
+
+def _rewind_exponential(size: int, levels: int = 40) -> bytes:  # pylint: disable=unused-argument
+  """Chunked arrays whose chunk is the next one: re-describing the chunks of
+  each map once it is known to be a chunked array doubles the work per
+  level (2**40 here)."""
+  data = _mp({"shape": {"0": 1}, _CHUNK_KEY: True, "chunks": {
+      "0": msgpack.ExtType(1, _mp([[1], "u1", b"\x01"]))}})
+  for _ in range(levels):
+    data = (b"\x83" + _mp("shape") + _mp({"0": 1}) + _mp("chunks") + b"\x81" +
+            _mp("0") + data + _mp(_CHUNK_KEY) + b"\xc3")
+  return data
+
+
+def _many_chunks(size: int) -> bytes:
+  """A valid chunked array of 1-element chunks: 12 bytes each."""
+  chunk = _tiny_ext(1, [1], b"\x05")
+  n = (size - 100) // (len(chunk) + 8)
+  chunks = b"".join(_mp(str(i)) + chunk for i in range(n))
+  return (b"\x83" + _mp(_CHUNK_KEY) + b"\xc3" + _mp("shape") + _mp({"0": n}) +
+          _mp("chunks") + _map32(n) + chunks)
+
+
+def _colliding_keys(size: int) -> bytes:
+  """Complex keys of one hash (hash(a + bj) = hash(a) + 1000003 hash(b)):
+  building a dict of them is quadratic."""
+  n = (size - 5) // 23
+  top = 1000003 * (n + 1)
+  return _map32(n) + b"".join(
+      _mp(msgpack.ExtType(2, msgpack.packb([float(top - 1000003 * k),
+                                            float(k)]))) + b"\x01"
+      for k in range(1, n + 1))
+
+
+_HOSTILE_SHAPES = {
+    "empty-maps": _empty_maps, "empty-lists": _empty_lists, "nils": _nils,
+    "deep-paths": _deep, "wide-map": _wide, "long-key-paths": _long_key,
+    "tiny-arrays": _tiny_arrays, "rewind-linear": _rewind_linear,
+    "rewind-exponential": _rewind_exponential, "many-chunks": _many_chunks,
+    "colliding-keys": _colliding_keys,
+}
+
+
+def _legit_small_ints(size: int) -> Any:
+  """A dict of short string keys to small ints (~9 bytes per entry)."""
+  return {str(i): i % 1000 for i in range(size // 9)}
+
+
+def _legit_floats(size: int) -> Any:
+  """A list of python floats (a dict "0", "1", ... in the file)."""
+  return [i / 3 for i in range(size // 16)]
+
+
+def _legit_tiny_arrays(size: int) -> Any:
+  """0-d arrays and numpy scalars (~28 bytes per leaf)."""
+  return {f"a{i}": np.array(i, np.float32) if i % 2 else np.int16(i % 30000)
+          for i in range(size // 28)}
+
+
+def _legit_nested(size: int) -> Any:
+  """Tiny nested dicts, None leaves and empty dicts (~20 bytes each)."""
+  return [{"a": i % 100, "b": None, "c": {}, "d": (True, 0.5)}
+          for i in range(size // 24)]
+
+
+def _legit_model(size: int) -> Any:
+  """A small model's state: many tiny arrays, optimizer moments, scalars."""
+  layers = {f"Dense_{i}": {"kernel": np.full((2, 2), i, np.float32),
+                           "bias": np.zeros(2, ml_dtypes.bfloat16)}
+            for i in range(size // 240)}
+  return {"params": layers,
+          "opt_state": [{"count": np.int32(3), "mu": layers, "nu": layers},
+                        {}, None],
+          "step": 12345, "rng": np.arange(2, dtype=np.uint32)}
+
+
+_LEGIT_STATES = {
+    "small-ints": _legit_small_ints, "floats": _legit_floats,
+    "tiny-arrays": _legit_tiny_arrays, "nested": _legit_nested,
+    "model": _legit_model,
+}
+
+
+def _wrapped(payload: bytes) -> bytes:
+  """{"x": payload, "y": 1}: subtree "y" must skip the payload."""
+  return b"\x82\xa1x" + payload + b"\xa1y\x01"
+
+
+_MEASURE = textwrap.dedent(r"""
+    import gc, json, re, resource, sys, time
+    import ml_dtypes, numpy as np  # their import is not the reader's cost
+    from clu_ckpt import flax_format as ff
+
+    def status(key):
+      with open("/proc/self/status") as f:
+        return int(re.search(key + r":\s+(\d+)", f.read()).group(1)) * 1024
+
+    def reset_peak():  # Linux >= 4.0; if refused, peaks only grow: safe side
+      try:
+        with open("/proc/self/clear_refs", "w") as f:
+          f.write("5")
+      except OSError:
+        pass
+
+    path, subtree = sys.argv[1], sys.argv[2]
+    with open(path, "rb") as f:
+      data = f.read()
+    bound = ff.MEMORY_FACTOR * len(data) + ff.MEMORY_BASE
+    # An unbounded reader meets MemoryError here, not the OOM killer.
+    limit = status("VmSize") + 2 * bound + 2**30
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    warm = ff.save({"w": np.ones(2, ml_dtypes.bfloat16), "s": [1, "x", 0.5],
+                    "n": np.int8(1), "c": 1j, "b": b"x", "e": {}})
+    ff.inspect(warm), ff.load(warm), ff.load(warm, writable=True)
+    ops = {"load_file": lambda: ff.load_file(path),
+           "load_writable": lambda: ff.load(data, writable=True),
+           "load_subtree": lambda: ff.load(data, subtree=subtree),
+           "inspect_file": lambda: ff.inspect_file(path)}
+    report = {}
+    for name, op in ops.items():
+      gc.collect()
+      reset_peak()
+      before = status("VmRSS")
+      start = time.perf_counter()
+      try:
+        result = op()
+        outcome = "value"
+      except ff.FlaxFormatError as e:
+        outcome = "FlaxFormatError: " + str(e)
+      except BaseException as e:  # pylint: disable=broad-except
+        outcome = type(e).__name__ + ": " + str(e)
+      seconds = time.perf_counter() - start
+      peak = status("VmHWM") - before
+      result = None
+      report[name] = {"outcome": outcome[:600], "peak": peak,
+                      "seconds": round(seconds, 3)}
+    print(json.dumps(report))
+    """)
+
+
+def _seconds_allowed(size: int) -> float:
+  return _SECONDS_BASE + _SECONDS_PER_MIB * size / _MIB
+
+
+def _measure(path: Path, subtree: str = "y") -> dict:
+  """Runs `_MEASURE` on `path` in a child: {operation: outcome, peak, s}."""
+  timeout = 4 * _seconds_allowed(path.stat().st_size) + 30
+  env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+  try:
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(path), subtree],
+                          cwd=_REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+  except subprocess.TimeoutExpired:
+    return {"child": f"no answer within {timeout:.0f} s"}
+  if proc.returncode or not proc.stdout.strip():
+    return {"child": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def shape_reports(tmp_path_factory) -> dict[str, tuple[int, dict]]:
+  """Every family measured in a child, two children at a time."""
+  directory = tmp_path_factory.mktemp("shapes")
+  files = {}
+  for name, build in _HOSTILE_SHAPES.items():
+    files[f"hostile/{name}"] = _wrapped(build(_SHAPE_BYTES_OF.get(
+        name, _SHAPE_BYTES)))
+  for name, build in _LEGIT_STATES.items():
+    files[f"legit/{name}"] = _wrapped(serialization.to_bytes(
+        build(_SHAPE_BYTES)))
+  paths = {}
+  for name, data in files.items():
+    paths[name] = directory / (name.replace("/", "-") + ".flax")
+    paths[name].write_bytes(data)
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    futures = {name: pool.submit(_measure, path)
+               for name, path in paths.items()}
+    return {name: (len(files[name]), futures[name].result())
+            for name in files}
+
+
+def _check_bounded(size: int, report: dict, legit: bool) -> None:
+  """Every operation returned (or, if hostile, raised FlaxFormatError) within
+  MEMORY_FACTOR x size + MEMORY_BASE bytes and the linear time bound."""
+  assert "child" not in report, report["child"]
+  bound = flax_format.MEMORY_FACTOR * size + flax_format.MEMORY_BASE
+  seconds = _seconds_allowed(size)
+  problems = []
+  for op, got in report.items():
+    allowed = got["outcome"] == "value" or (
+        not legit and got["outcome"].startswith("FlaxFormatError: "))
+    if not allowed:
+      problems.append(f"{op}: {got['outcome']}")
+    if got["peak"] > bound:
+      problems.append(f"{op}: peak RSS growth {got['peak'] / _MIB:.1f} MiB "
+                      f"({got['peak'] / size:.0f} x the {size}-byte file) > "
+                      f"bound {bound / _MIB:.1f} MiB")
+    if got["seconds"] > seconds:
+      problems.append(f"{op}: {got['seconds']:.1f} s > {seconds:.1f} s")
+  assert not problems, problems
+
+
+@pytest.mark.parametrize("name", sorted(_HOSTILE_SHAPES))
+def test_hostile_shapes_cost_bounded_memory_and_linear_time(name,
+                                                            shape_reports):
+  size, report = shape_reports[f"hostile/{name}"]
+  _check_bounded(size, report, legit=False)
+
+
+@pytest.mark.parametrize("name", sorted(_LEGIT_STATES))
+def test_many_small_leaves_states_decode_within_the_bound(name, shape_reports):
+  size, report = shape_reports[f"legit/{name}"]
+  _check_bounded(size, report, legit=True)
+
+
+@pytest.mark.parametrize("name", sorted(_LEGIT_STATES))
+def test_many_small_leaves_states_load_like_flax_on_the_factor_alone(
+    name, monkeypatch):
+  """With MEMORY_BASE = 0, the reader's estimates of these states must stay
+  under MEMORY_FACTOR x their size: so they load at any scale."""
+  state = _LEGIT_STATES[name](_MIB // 4)
+  data = serialization.to_bytes(state)
+  monkeypatch.setattr(flax_format, "MEMORY_BASE", 0)
+  got = flax_format.load(data)
+  _assert_same(got, serialization.msgpack_restore(data))
+  _assert_same(flax_format.load(data, writable=True), got)
+  infos = flax_format.inspect(data)
+  assert [i.path for i in infos] == [p for p, _ in _leaves(got)]
+  first = next(iter(got))
+  _assert_same(flax_format.load(data, subtree=first), got[first])
+
+
+def _count_headers(monkeypatch) -> list:
+  """Counts the msgpack headers the reader parses."""
+  calls = [0]
+  header = flax_format._Reader._header  # pylint: disable=protected-access
+
+  def counting(self):
+    calls[0] += 1
+    return header(self)
+
+  monkeypatch.setattr(flax_format._Reader, "_header", counting)  # pylint: disable=protected-access
+  return calls
+
+
+@pytest.mark.parametrize("name", sorted(_HOSTILE_SHAPES))
+def test_hostile_shapes_parse_each_byte_a_bounded_number_of_times(
+    name, monkeypatch):
+  """Linear time without a clock: headers parsed <= 2 x the file's bytes."""
+  if name == "rewind-exponential":
+    data = _wrapped(_rewind_exponential(0, levels=12))  # 2**12 x before
+  else:
+    data = _wrapped(_HOSTILE_SHAPES[name](16 * 2**10))
+  calls = _count_headers(monkeypatch)
+  for op in (flax_format.inspect, flax_format.load,
+             lambda d: flax_format.load(d, subtree="y")):
+    calls[0] = 0
+    try:
+      op(data)
+    except FlaxFormatError:
+      pass
+    assert calls[0] <= 2 * len(data), (op, calls[0], len(data))
+
+
+def test_rewound_chunked_arrays_are_one_leaf_each():
+  data = _wrapped(_rewind_linear(20_000, levels=30))
+  got = flax_format.load(data)
+  np.testing.assert_array_equal(got["x"], np.array([1], np.uint8))
+  assert got["y"] == 1
+  (x, y) = flax_format.inspect(data)
+  assert (x.path, x.kind, x.dtype, x.shape, x.nbytes) == (
+      "/x", "ndarray", "uint8", (1,), 1)
+  assert data[x.offset] == 1 and (y.path, y.kind) == ("/y", "int")
+  with pytest.raises(FlaxFormatError, match="not 1-D arrays"):
+    flax_format.inspect(_wrapped(_rewind_exponential(0, levels=12)))
+  with pytest.raises(FlaxFormatError, match="not 1-D arrays"):
+    flax_format.load(_wrapped(_rewind_exponential(0, levels=12)))
+
+
+def test_many_chunks_join_and_inspect_alike():
+  data = _many_chunks(50_000)
+  got = flax_format.load(data)
+  assert got.dtype == np.uint8 and (got == 5).all()
+  (info,) = flax_format.inspect(data)
+  assert (info.kind, info.dtype, info.shape, info.nbytes) == (
+      "ndarray", "uint8", got.shape, got.size)
+  _assert_same(got, serialization.msgpack_restore(data))
+
+
+def test_memory_refusal_names_the_file_the_offset_and_the_bound(
+    shape_reports, tmp_path_factory, monkeypatch):
+  # Measured in a child (an unbounded reader would take the machine's memory
+  # here): inspect_file refuses the long key repeated in every path.
+  size, report = shape_reports["hostile/long-key-paths"]
+  limit = flax_format.MEMORY_FACTOR * size + flax_format.MEMORY_BASE
+  outcome = report["inspect_file"]["outcome"]
+  assert outcome.startswith("FlaxFormatError: /"), outcome
+  assert "hostile-long-key-paths.flax at byte " in outcome, outcome
+  assert (f"would need more than {limit} bytes of memory for a {size}-byte "
+          "file") in outcome, outcome
+  assert report["load_file"]["outcome"] == "value"  # the key is one string
+  # Without MEMORY_BASE, a list of empty maps (72 bytes each) is refused.
+  monkeypatch.setattr(flax_format, "MEMORY_BASE", 0)
+  empty = _wrapped(_empty_maps(200_000))
+  with pytest.raises(FlaxFormatError, match="bytes of memory") as caught:
+    flax_format.load(empty)
+  _check_error(caught.value, len(empty))
+  path = tmp_path_factory.mktemp("refusal") / "empty.flax"
+  path.write_bytes(empty)
+  with pytest.raises(FlaxFormatError, match="bytes of memory") as caught:
+    flax_format.load_file(str(path))
+  _check_error(caught.value, len(empty), str(path))
+
+
+@pytest.mark.parametrize("key", [1.5, float("nan"), 2.0, 1 + 2j, 0j])
+def test_float_and_complex_map_keys_are_rejected(key, tmp_path):
+  """Their hashes can be made to collide (see _colliding_keys)."""
+  def default(x):
+    return msgpack.ExtType(2, msgpack.packb([x.real, x.imag]))
+  data = b"\x81\xa1a\x81" + msgpack.packb(key, default=default) + b"\x01"
+  err = _assert_rejected(data, tmp_path)
+  assert "map key of type" in str(err)
+  with pytest.raises(FlaxFormatError, match="map key of type"):
+    flax_format.inspect(data)
+
+
+def test_int_bytes_and_none_map_keys_still_load():
+  data = b"\x84" + b"".join(msgpack.packb(k) + b"\x01" for k in (
+      5, -3, None, True))
+  assert flax_format.load(data) == {5: 1, -3: 1, None: 1, True: 1}
+  data = b"\x81\xc4\x02ab\x01"
+  assert flax_format.load(data) == {b"ab": 1}
+  assert [i.path for i in flax_format.inspect(data)] == ["/b'ab'"]
+
+
+def test_leaf_info_is_small_and_compares_by_value():
+  info = flax_format.LeafInfo("/a", "int", None, None, 0, 3)
+  assert not hasattr(info, "__dict__")
+  assert info == flax_format.LeafInfo("/a", "int", None, None, 0, 3)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    info.path = "/b"  # type: ignore[misc]
 
 
 # --------------------------------------------------------------------------

@@ -5,27 +5,42 @@ written by clu 0.0.12 when present, plus files written by `flax_format.save`
 covering every leaf kind, Flax's chunked form and deep trees): truncations,
 bit flips, interesting bytes, huge declared lengths (in the fields of real
 headers), deep nesting, unknown ext type codes, wrong types in real
-positions (re-encoded), splices, and with atheris also libFuzzer's own
-mutations guided by coverage of `clu_ckpt.flax_format`.
+positions (re-encoded), splices, adversarial shapes spliced in (below), and
+with atheris also libFuzzer's own mutations guided by coverage of
+`clu_ckpt.flax_format`.
 
 Each input goes through `load`, `load(writable=True)`, `inspect`,
 `load(subtree=...)` (and every 64th input through `load_file`,
 `inspect_file` and `inspection.verify_path` from a file). Allowed outcomes:
 a value or `FlaxFormatError`. Anything else is a failure, recorded with the
 input. Per input: a time cap (SIGALRM) and a memory cap: the tracemalloc
-peak must stay under `--mem-factor` x the input size + 2 MiB (decoded Python
-objects cost more than their msgpack bytes, and MAX_DEPTH levels of recursion
-cost Python frames, but nothing may grow with a *declared* length). One
-input in three is measured (in blocks of 500; tracemalloc slows the reader
-about sevenfold); the process' max RSS is checked after every input.
+peak must stay under the reader's documented bound, `--mem-factor` (default
+`flax_format.MEMORY_FACTOR`) x the input size + `flax_format.MEMORY_BASE`.
+One input in three is measured (in blocks of 500; tracemalloc slows the
+reader about sevenfold); the process' max RSS is checked after every input.
+
+Adversarial shapes (`ADVERSARIAL`: millions of empty containers or nils,
+deep or long keys repeated in every path, wide maps, tiny ndarray exts,
+nested chunked-array maps that make a re-reading reader quadratic or
+exponential, chunked arrays of impossible shapes, map keys of one hash, and
+mixes of them) are built to cost the reader the most per byte. Besides the
+`adversarial` mutator, `--adversarial N` of them (64 B to
+`--adversarial-max-bytes`) go through a child process that reports, per
+operation, the peak RSS growth and wall time: each must stay under
+MEMORY_FACTOR x size + MEMORY_BASE and `ADVERSARIAL_SECONDS` +
+`ADVERSARIAL_SECONDS_PER_MIB` x size, or the input is a failure (a child
+that does not answer is killed: a hang).
 
 Usage::
 
   python tests/soak/soak_fuzz_reader.py --inputs 100000 [--engine atheris]
-      [--seed 0] [--time-cap 5] [--workdir DIR]
+      [--seed 0] [--time-cap 5] [--adversarial 200] [--workdir DIR]
+  python tests/soak/soak_fuzz_reader.py --inputs 2000 --adversarial 30 \
+      --engine random                                  # short: ~2 minutes
 
 Prints a JSON summary (inputs, outcomes, failures by kind with an example
-file each, slowest input, largest memory ratio, RSS); exits 1 on failures.
+file each, slowest input, largest memory ratio, RSS, and the adversarial
+phase's figures per family); exits 1 on failures.
 """
 
 from __future__ import annotations
@@ -33,6 +48,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import random
 import resource
@@ -506,11 +522,212 @@ def m_block(rng: random.Random, data: bytes) -> bytes:
   return data[:i] + bytes(rng.randrange(256) for _ in range(j - i)) + data[i:]
 
 
+# --------------------------------------------------------------------------
+# Adversarial shapes: inputs built to cost the reader the most per byte.
+# --------------------------------------------------------------------------
+#
+# Each generator returns about `size` bytes of msgpack shaped to amplify
+# memory or time: millions of empty containers or nils, paths repeating deep
+# or long keys, tiny ndarray exts (a numpy view each), chunked-array maps
+# nested so that a reader re-reading them once it knows what they are does
+# quadratic or exponential work, chunked arrays of impossible shapes, and map
+# keys of one hash. `m_adversarial` splices them into real files for the
+# in-process fuzzing; `AdversarialPhase` measures them in a child process,
+# where each input's peak RSS and time are asserted against the reader's
+# documented bound (MEMORY_FACTOR x size + MEMORY_BASE, linear time).
+
+_CHUNKED = "__msgpack_chunked_array__"
+
+
+def _map32(n: int) -> bytes:
+  return b"\xdf" + struct.pack(">I", n)
+
+
+def _array32(n: int) -> bytes:
+  return b"\xdd" + struct.pack(">I", n)
+
+
+def _pk(obj: Any) -> bytes:
+  return msgpack.packb(obj, use_bin_type=True)
+
+
+def _ext(code: int, shape: Any, dtype: Any, data: bytes) -> bytes:
+  return _pk(msgpack.ExtType(code, _pk([shape, dtype, data])))
+
+
+def a_empty_containers(rng: random.Random, size: int) -> bytes:
+  """Empty maps, empty lists, nils or zeros, one per byte (in a list) or
+  under repeated one-byte keys (in a map: a leaf each for inspect)."""
+  item = rng.choice([b"\x80", b"\x90", b"\xc0", b"\x00", b"\xa0", b"\xc4\x00"])
+  if rng.random() < 0.5:
+    n = max(0, size - 5) // len(item)
+    return _array32(n) + item * n
+  key = rng.choice([b"\x00", b"\xc0", b"\xc2", b"\xa0"])
+  n = max(0, size - 5) // (len(key) + len(item))
+  return _map32(n) + (key + item) * n
+
+
+def a_deep_paths(rng: random.Random, size: int) -> bytes:
+  """Nested maps (down to MAX_DEPTH and past it), then many leaves: every
+  leaf's path repeats every key above it."""
+  depth = rng.choice([1, 16, 100, 200, 250, 254, 255, 256, 300])
+  key = _pk("k" * rng.choice([1, 8, 64, 1000]))
+  head = (b"\x81" + key) * depth
+  n = max(0, size - len(head) - 5) // 2
+  return head + _map32(n) + b"\x00\xc0" * n
+
+
+def a_wide_map(rng: random.Random, size: int) -> bytes:
+  """One wide map of tiny values under 1-, 3- or 5-byte int keys."""
+  width = rng.choice([1, 3, 5])
+  value = rng.choice([b"\x01", b"\xc0", b"\x80", b"\x90", b"\xa1x"])
+  n = max(0, size - 5) // (width + len(value))
+  if width == 1:
+    keys = (bytes([i % 128]) for i in range(n))
+  elif width == 3:
+    keys = (b"\xcd" + struct.pack(">H", i % 2**16) for i in range(n))
+  else:
+    keys = (b"\xce" + struct.pack(">I", i) for i in range(n))
+  return _map32(n) + b"".join(k + value for k in keys)
+
+
+def a_long_key(rng: random.Random, size: int) -> bytes:
+  """One long key (str, or bytes: its path is its repr, 4 chars a byte) over
+  many leaves: each leaf's path holds the key."""
+  length = max(1, int(size * rng.choice([0.1, 0.5, 0.9])))
+  key = _pk("k" * length) if rng.random() < 0.5 else _pk(b"\xff" * length)
+  n = max(0, size - len(key) - 10) // 2
+  return b"\x81" + key + _map32(n) + b"\x00\xc0" * n
+
+
+def a_tiny_arrays(rng: random.Random, size: int) -> bytes:
+  """Small ndarray and numpy-scalar exts, a numpy view each: empty, 0-d,
+  64-dim, str, void, and shapes only zero sizes keep small."""
+  pieces = [_ext(1, [0], "u1", b""), _ext(3, [], "u1", b"\x07"),
+            _ext(1, [1] * 64, "u1", b"\x01"), _ext(3, [], "str32", b"a\0\0\0"),
+            _ext(1, [2], "void8", b"xy"), _ext(1, [0, 2**40], "f4", b""),
+            _ext(1, [0, 2**63 - 1], "u1", b""), _ext(3, [1], "bool", b"\x01")]
+  chosen = rng.sample(pieces, rng.randint(1, len(pieces)))
+  out, total = [], 5
+  while total < size:
+    piece = rng.choice(chosen)
+    out.append(piece)
+    total += len(piece)
+  return _array32(len(out)) + b"".join(out)
+
+
+def _chunk_map(rng: random.Random, inner: bytes, last: bool) -> bytes:
+  """A valid chunked array's map with `inner` under an extra key, its
+  chunked-array key last (known only after `inner`) or first."""
+  fields = [_pk("shape") + _pk({"0": 1}),
+            _pk("chunks") + _pk({"0": msgpack.ExtType(
+                1, _pk([[1], "u1", b"\x01"]))}),
+            _pk(rng.choice(["x", "shape", "chunks", "0"])) + inner]
+  flag = _pk(_CHUNKED) + b"\xc3"
+  return b"\x84" + (b"".join(fields) + flag if last else
+                    flag + b"".join(fields))
+
+
+def a_rewind(rng: random.Random, size: int) -> bytes:
+  """Chunked arrays nested in chunked arrays: under an extra key (a reader
+  re-reading each map is quadratic) or as the chunk itself (exponential)."""
+  if rng.random() < 0.5:
+    levels = rng.choice([1, 10, 60, 120, 200])
+    n = max(0, size - 60 * levels)
+    data = _array32(n) + b"\x01" * n
+    for _ in range(levels):
+      data = _chunk_map(rng, data, last=rng.random() < 0.9)
+    return data
+  levels = rng.choice([2, 12, 40, 80])
+  data = _pk({"shape": {"0": 1}, _CHUNKED: True,
+              "chunks": {"0": msgpack.ExtType(1, _pk([[1], "u1", b"\x01"]))}})
+  for _ in range(levels):
+    data = (b"\x83" + _pk("shape") + _pk({"0": 1}) + _pk("chunks") + b"\x81" +
+            _pk("0") + data + _pk(_CHUNKED) + b"\xc3")
+  return data
+
+
+def a_chunked(rng: random.Random, size: int) -> bytes:
+  """A chunked array of many 1-element chunks, its shape right or
+  impossible (too many elements, zero times huge, over 64 dims) and its
+  dtypes one or mixed."""
+  chunk = _ext(1, [1], "u1", b"\x05")
+  other = _ext(1, [1], "i1", b"\x05")
+  n = max(1, (size - 200) // (len(chunk) + 8))
+  shape = rng.choice([{"0": n}, {"0": n}, {"0": 10**12}, {"0": 0, "1": 2**63},
+                      {"0": n, "1": 1}, {str(i): 1 for i in range(65)},
+                      {"0": n + 1}, {"1": n}])
+  mixed = rng.random() < 0.2
+  chunks = b"".join(_pk(str(i)) + (other if mixed and i == n - 1 else chunk)
+                    for i in range(n))
+  return (b"\x83" + _pk(_CHUNKED) + b"\xc3" + _pk("shape") + _pk(shape) +
+          _pk("chunks") + _map32(n) + chunks)
+
+
+def a_colliding_keys(rng: random.Random, size: int) -> bytes:
+  """Complex or float keys of one hash: a dict of them is quadratic."""
+  n = max(1, (size - 5) // 23)
+  if rng.random() < 0.5:
+    top = 1000003 * (n + 1)  # hash(a + bj) = hash(a) + 1000003 hash(b)
+    keys = (_pk(msgpack.ExtType(2, msgpack.packb(
+        [float(top - 1000003 * k), float(k)]))) for k in range(1, n + 1))
+  else:  # 2.0 * 2**(61 j) all hash to 2 (hashes are mod 2**61 - 1)
+    keys = (_pk(math.ldexp(1.0, 61 * (k % 16) + 1)) for k in range(n))
+  return _map32(n) + b"".join(k + b"\x01" for k in keys)
+
+
+def a_mix(rng: random.Random, size: int) -> bytes:
+  """A map of several of the above, each a part of the size."""
+  parts = rng.randint(2, 5)
+  names = [name for name in ADVERSARIAL if name != "mix"]
+  return bytes([0x80 | parts]) + b"".join(
+      _pk(f"p{i}") + ADVERSARIAL[rng.choice(names)](rng, size // parts)
+      for i in range(parts))
+
+
+ADVERSARIAL: dict[str, Callable[[random.Random, int], bytes]] = {
+    "empty_containers": a_empty_containers, "deep_paths": a_deep_paths,
+    "wide_map": a_wide_map, "long_key": a_long_key,
+    "tiny_arrays": a_tiny_arrays, "rewind": a_rewind, "chunked": a_chunked,
+    "colliding_keys": a_colliding_keys, "mix": a_mix,
+}
+
+_PLACEHOLDER = "\x00adversarial-placeholder\x00"
+
+
+def m_adversarial(rng: random.Random, data: bytes) -> bytes:
+  """An adversarial shape (up to 16 KiB) in place of a value of `data`, under
+  "params" (which the subtree reads decode), or alone."""
+  name = rng.choice(list(ADVERSARIAL))
+  payload = ADVERSARIAL[name](rng, rng.choice([16, 256, 4096, 16384]))
+  where = rng.random()
+  if where < 0.3:
+    return payload
+  if where < 0.6:
+    return b"\x82" + _pk("params") + payload + _pk("step") + b"\x01"
+  tree = _decode(data)
+  if tree is _UNDECODABLE or not isinstance(tree, dict) or _depth(tree) > 100:
+    return b"\x81" + _pk("params") + payload
+  slots: list[tuple[Any, Any]] = []
+  stack = [tree]
+  while stack:
+    node = stack.pop()
+    for key in (node if isinstance(node, dict) else ()):
+      slots.append((node, key))
+      if isinstance(node[key], dict):
+        stack.append(node[key])
+  parent, key = rng.choice(slots)
+  parent[key] = _PLACEHOLDER
+  packed = msgpack.packb(tree, default=_ext_default, strict_types=False)
+  return packed.replace(_pk(_PLACEHOLDER), payload, 1)
+
+
 MUTATORS: dict[str, Callable[..., bytes]] = {
     "truncate": m_truncate, "bitflip": m_bitflip,
     "interesting": m_interesting, "huge_length": m_huge_length,
     "widen": m_widen, "deep": m_deep, "ext_code": m_ext_code,
     "wrong_type": m_wrong_type, "bad_array": m_bad_array, "block": m_block,
+    "adversarial": m_adversarial,
 }
 
 
@@ -541,9 +758,7 @@ def mutate(rng: random.Random, data: bytes, corpus: list[bytes]) -> tuple[bytes,
 # One block of TRACE_BLOCK inputs in `Runner.trace_every` is measured with
 # tracemalloc (which slows the reader about sevenfold).
 TRACE_BLOCK = 500
-# Allowed on top of `--mem-factor` x size: the Python frames of MAX_DEPTH
-# levels of recursion (about 0.2 MiB in all, over 1 MiB under atheris'
-# instrumentation).
+# Memory the library may keep across inputs (caches; see `retention`).
 MEMORY_SLACK = 2 * 2**20
 
 
@@ -643,7 +858,7 @@ class Runner:
     if peak > self.max_peak[0]:
       self.max_peak = (peak, len(data))
       (self.workdir / "max_peak.bin").write_bytes(data)
-    if peak > self.mem_factor * len(data) + MEMORY_SLACK:
+    if peak > self.mem_factor * len(data) + flax_format.MEMORY_BASE:
       self._fail("memory", f"peak {peak} B", data, mutator, None)
 
   def _ops(self, data: bytes) -> list[tuple[str, Callable[[], Any]]]:
@@ -748,6 +963,221 @@ class Runner:
 
 
 # --------------------------------------------------------------------------
+# Adversarial shapes in a child: peak RSS and time per input.
+# --------------------------------------------------------------------------
+
+# Per operation: at most this many seconds + this many per MiB of input (the
+# reader parses ~1 MiB of the worst shapes per second on a laptop core).
+ADVERSARIAL_SECONDS = 3.0
+ADVERSARIAL_SECONDS_PER_MIB = 10.0
+
+
+def _proc_status(key: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(key + ":"):
+        return int(line.split()[1]) * 1024
+  raise KeyError(key)
+
+
+def _reset_peak_rss() -> bool:
+  """Resets VmHWM (Linux >= 4.0); False where that is not allowed."""
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def _adversarial_ops(data: bytes,
+                     path: str) -> list[tuple[str, Callable[[], Any]]]:
+  return [("load", lambda: flax_format.load(data)),
+          ("load_writable", lambda: flax_format.load(data, writable=True)),
+          ("load_subtree", lambda: flax_format.load(data, subtree="params")),
+          ("inspect", lambda: flax_format.inspect(data)),
+          ("load_file", lambda: flax_format.load_file(path)),
+          ("inspect_file", lambda: flax_format.inspect_file(path))]
+
+
+def adversarial_worker() -> int:
+  """The child: reads a file name per line, answers a JSON line per file.
+
+  Per operation it reports the outcome, the peak RSS growth (VmHWM, reset
+  before each operation, minus VmRSS before it) and the wall time. The
+  address space is capped at 2 x the reader's bound + 1 GiB per input, so an
+  unbounded reader meets MemoryError, not the machine's OOM killer.
+  """
+  import gc  # pylint: disable=g-import-not-at-top
+  _import_library(instrument=False)
+  import ml_dtypes  # pylint: disable=g-import-not-at-top,unused-import
+  _, hard = resource.getrlimit(resource.RLIMIT_AS)
+  warm = flax_format.save({"w": np.ones(2, np.float32), "s": [1, "x", 0.5],
+                           "n": np.int8(1), "c": 1j, "e": {}})
+  flax_format.inspect(warm), flax_format.load(warm, writable=True)
+  reset = _reset_peak_rss()
+  for line in sys.stdin:
+    path = line.rstrip("\n")
+    data = Path(path).read_bytes()
+    bound = flax_format.MEMORY_FACTOR * len(data) + flax_format.MEMORY_BASE
+    cap = _proc_status("VmSize") + 2 * bound + 2**30
+    if hard != resource.RLIM_INFINITY:
+      cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    report = {}
+    for name, op in _adversarial_ops(data, path):
+      gc.collect()
+      _reset_peak_rss()
+      before = _proc_status("VmRSS")
+      start = time.perf_counter()
+      try:
+        result = op()
+        outcome = "value"
+      except flax_format.FlaxFormatError:
+        outcome = "FlaxFormatError"
+      except Exception as e:  # pylint: disable=broad-except
+        outcome = f"{type(e).__name__}: {e}"[:300]
+      seconds = time.perf_counter() - start
+      peak = _proc_status("VmHWM") - before
+      result = None  # pylint: disable=unused-variable
+      report[name] = dict(outcome=outcome, peak=peak, seconds=seconds)
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+    print(json.dumps(dict(reset=reset, ops=report)), flush=True)
+  return 0
+
+
+class AdversarialPhase:
+  """Runs `count` adversarial inputs through a child, asserting per input.
+
+  Every operation must return or raise FlaxFormatError, with a peak RSS
+  growth of at most MEMORY_FACTOR x size + MEMORY_BASE and at most
+  ADVERSARIAL_SECONDS + ADVERSARIAL_SECONDS_PER_MIB x size in MiB. A child
+  that does not answer in time is killed (a hang) and replaced. Where the
+  peak RSS cannot be reset, each input gets a fresh child.
+  """
+
+  def __init__(self, workdir: Path, seed: int, count: int, max_bytes: int):
+    self.workdir = workdir
+    self.rng = random.Random(seed)
+    self.count = count
+    self.max_bytes = max_bytes
+    self.failures: dict[str, dict[str, Any]] = {}
+    self.failed_inputs = 0
+    self.per_family: dict[str, dict[str, Any]] = {}
+    self.restarts = 0
+    self._proc: Optional[subprocess.Popen] = None
+    self._fresh_each_input = False
+    self._file = workdir / "adversarial.flax"
+    (workdir / "failures").mkdir(parents=True, exist_ok=True)
+
+  def _start(self) -> subprocess.Popen:
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, __file__, "--adversarial-worker"], cwd=REPO,
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+  def _stop(self) -> None:
+    if self._proc is not None:
+      self._proc.kill()
+      self._proc.wait()
+      self._proc = None
+
+  def _ask(self, path: Path, timeout: float) -> tuple[Optional[dict], str]:
+    """The child's report on `path`, or None and why there is none."""
+    import select  # pylint: disable=g-import-not-at-top
+    if self._proc is None:
+      self._proc = self._start()
+      self.restarts += 1
+    try:
+      self._proc.stdin.write(f"{path}\n")
+      self._proc.stdin.flush()
+      ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+      line = self._proc.stdout.readline() if ready else ""
+    except OSError:
+      line = ""
+    if not line:
+      code = self._proc.poll()
+      self._stop()
+      if code is None:
+        return None, f"timeout: no answer within {timeout:.0f} s"
+      return None, f"crash: the child exited with {code}"
+    answer = json.loads(line)
+    if not answer["reset"]:
+      self._fresh_each_input = True
+    if self._fresh_each_input:
+      self._stop()
+    return answer, ""
+
+  def _size(self) -> int:
+    return int(math.exp(self.rng.uniform(math.log(64),
+                                         math.log(self.max_bytes))))
+
+  def run(self) -> dict[str, Any]:
+    start = time.monotonic()
+    try:
+      for i in range(self.count):
+        family = self.rng.choice(list(ADVERSARIAL))
+        data = ADVERSARIAL[family](self.rng, self._size())
+        if self.rng.random() < 0.5:
+          data = b"\x82" + _pk("params") + data + _pk("step") + b"\x01"
+        self._one(family, data)
+        if (i + 1) % 25 == 0:
+          print(f"adversarial: {i + 1} inputs, {self.failed_inputs} failed",
+                file=sys.stderr, flush=True)
+    finally:
+      self._stop()
+    return dict(inputs=self.count, seconds=round(time.monotonic() - start, 1),
+                per_family=self.per_family, failures=self.failed_inputs,
+                failure_kinds=self.failures, child_starts=self.restarts)
+
+  def _one(self, family: str, data: bytes) -> None:
+    self._file.write_bytes(data)
+    size = len(data)
+    bound = flax_format.MEMORY_FACTOR * size + flax_format.MEMORY_BASE
+    seconds = ADVERSARIAL_SECONDS + ADVERSARIAL_SECONDS_PER_MIB * size / 2**20
+    book = self.per_family.setdefault(family, dict(
+        inputs=0, bytes=0, load_refused=0, max_peak_over_size=0.0,
+        max_peak_over_bound=0.0, max_seconds=0.0))
+    book["inputs"] += 1
+    book["bytes"] += size
+    timeout = 6 * seconds + 10  # six operations, and the child's start
+    answer, why = self._ask(self._file, timeout)
+    problems = []
+    if answer is None:
+      problems.append((why.split(":")[0], why))
+    else:
+      for op, got in answer["ops"].items():
+        if got["outcome"] not in ("value", "FlaxFormatError"):
+          problems.append((f"{op}: {got['outcome'].split(':')[0]}",
+                           got["outcome"]))
+        if op == "load" and got["outcome"] == "FlaxFormatError":
+          book["load_refused"] += 1
+        book["max_peak_over_size"] = round(max(book["max_peak_over_size"],
+                                               got["peak"] / size), 1)
+        book["max_peak_over_bound"] = round(max(book["max_peak_over_bound"],
+                                                got["peak"] / bound), 3)
+        book["max_seconds"] = round(max(book["max_seconds"],
+                                        got["seconds"]), 3)
+        if got["peak"] > bound:
+          problems.append((f"{op}: memory", f"peak RSS growth {got['peak']} B "
+                           f"> {bound} B for {size} B"))
+        if got["seconds"] > seconds:
+          problems.append((f"{op}: time", f"{got['seconds']:.1f} s > "
+                           f"{seconds:.1f} s for {size} B"))
+    if problems:
+      self.failed_inputs += 1
+    for kind, message in problems:
+      key = f"adversarial {family}: {kind}"
+      entry = self.failures.setdefault(key, dict(count=0, message=message,
+                                                 example=None))
+      entry["count"] += 1
+      if entry["example"] is None:
+        name = f"adversarial-{len(self.failures):03d}.bin"
+        (self.workdir / "failures" / name).write_bytes(data)
+        entry["example"] = str(self.workdir / "failures" / name)
+
+
+# --------------------------------------------------------------------------
 # Engines.
 # --------------------------------------------------------------------------
 
@@ -818,11 +1248,19 @@ def main() -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--time-cap", type=float, default=5.0,
                       help="seconds allowed per input")
-  parser.add_argument("--mem-factor", type=float, default=256.0,
-                      help="tracemalloc peak allowed per input byte")
+  parser.add_argument("--mem-factor", type=float, default=None,
+                      help="tracemalloc peak allowed per input byte "
+                      "(default: flax_format.MEMORY_FACTOR)")
+  parser.add_argument("--adversarial", type=int, default=200,
+                      help="adversarial-shape inputs measured in a child")
+  parser.add_argument("--adversarial-max-bytes", type=int, default=2**20)
   parser.add_argument("--workdir", type=Path, default=None)
   parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  parser.add_argument("--adversarial-worker", action="store_true",
+                      help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.adversarial_worker:
+    return adversarial_worker()
   if args.engine == "auto":
     try:
       import atheris  # pylint: disable=g-import-not-at-top,unused-import
@@ -834,6 +1272,8 @@ def main() -> int:
   if args.engine == "atheris" and not args.worker:
     return _supervise_atheris(args)
   _import_library(instrument=args.engine == "atheris")
+  if args.mem_factor is None:
+    args.mem_factor = float(flax_format.MEMORY_FACTOR)
   corpus = seeds()
   runner = Runner(args.workdir, args.time_cap, args.mem_factor)
   start = time.monotonic()
@@ -843,11 +1283,15 @@ def main() -> int:
     return 0
   run_random(args, runner, corpus)
   retention = runner.retention(random.Random(args.seed + 7), corpus)
+  adversarial = AdversarialPhase(args.workdir, args.seed + 11,
+                                 args.adversarial,
+                                 args.adversarial_max_bytes).run()
   summary = dict(engine="random", seeds=len(corpus), retention=retention,
                  seconds=round(time.monotonic() - start, 1),
-                 rss_start_mib=round(rss_start, 1), **runner.summary())
+                 rss_start_mib=round(rss_start, 1), **runner.summary(),
+                 adversarial=adversarial)
   print(json.dumps(summary, indent=2))
-  return 1 if summary["failures"] else 0
+  return 1 if summary["failures"] or adversarial["failures"] else 0
 
 
 def _supervise_atheris(args: argparse.Namespace) -> int:
@@ -855,8 +1299,9 @@ def _supervise_atheris(args: argparse.Namespace) -> int:
   start = time.monotonic()
   argv = [sys.executable, __file__, "--worker", "--engine", "atheris",
           "--inputs", str(args.inputs), "--seed", str(args.seed),
-          "--time-cap", str(args.time_cap), "--mem-factor",
-          str(args.mem_factor), "--workdir", str(args.workdir)]
+          "--time-cap", str(args.time_cap), "--workdir", str(args.workdir)]
+  if args.mem_factor is not None:
+    argv += ["--mem-factor", str(args.mem_factor)]
   proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                         text=True, check=False)
   (args.workdir / "libfuzzer.log").write_text(proc.stderr)
@@ -867,14 +1312,20 @@ def _supervise_atheris(args: argparse.Namespace) -> int:
                           returncode=proc.returncode)))
     return 1
   summary = json.loads(summary_path.read_text())
+  _import_library(instrument=False)  # for the adversarial phase, here
+  adversarial = AdversarialPhase(args.workdir, args.seed + 11,
+                                 args.adversarial,
+                                 args.adversarial_max_bytes).run()
   summary = dict(engine="atheris", seconds=round(time.monotonic() - start, 1),
-                 worker_returncode=proc.returncode, **summary)
+                 worker_returncode=proc.returncode, **summary,
+                 adversarial=adversarial)
   complete = summary["inputs"] >= args.inputs
   if not complete:
     summary["incomplete"] = proc.stderr[-3000:]
   print(json.dumps(summary, indent=2))
   print(f"work directory: {args.workdir}")
-  return 1 if summary["failures"] or not complete else 0
+  return 1 if (summary["failures"] or adversarial["failures"] or
+               not complete) else 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,102 @@
+"""Tests for `clu_ckpt.layout`: checkpoint names and directory containment."""
+
+import os
+
+import pytest
+
+from clu_ckpt import layout
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("/ckpts/ckpt-7", ("ckpt", 7)),
+    ("ckpt-0", ("ckpt", 0)),
+    ("gs://b/run-9/model-12", ("model", 12)),
+    ("/runs/exp-3/model.ckpt-5", ("model.ckpt", 5)),
+    ("/a/ckpt-3-4", ("ckpt-3", 4)),
+    ("/a/ckpt-007", ("ckpt", 7)),
+    # Digits in a parent directory never make a number.
+    ("/runs/exp-3/model.ckpt", None),
+    ("/runs/exp-3/", None),
+    ("ckpt-3.flax", None),
+    ("ckpt", None),
+    ("", None),
+])
+def test_split_checkpoint_reads_the_base_name_only(path, expected):
+  assert layout.split_checkpoint(path) == expected
+
+
+def test_checkpoint_number_requires_the_name():
+  assert layout.checkpoint_number("/d/ckpt-4", "ckpt") == 4
+  assert layout.checkpoint_number("/d/model.ckpt-4", "ckpt") is None
+  assert layout.checkpoint_number("/d-4/model.ckpt", "model.ckpt") is None
+
+
+@pytest.mark.parametrize("directory, path, inside", [
+    ("/r/a", "/r/a/ckpt-1", True),
+    ("/r/a/", "/r/a/./ckpt-1", True),
+    ("/r/a", "/r/a/sub/ckpt-1", False),
+    ("/r/a", "/r/a/../b/ckpt-1", False),
+    ("/r/a", "/r/a/sub/../../a/ckpt-1", True),
+    ("/r/a", "/elsewhere/ckpt-1", False),
+    ("/r/a", "/r/a", False),
+    ("/r/a", "/r/a/..", False),
+    ("/r/a", "/r", False),
+    ("gs://b/run", "gs://b/run/ckpt-1", True),
+    ("gs://b/run", "gs://other/run/ckpt-1", False),
+    ("gs://b/run", "s3://b/run/ckpt-1", False),
+    ("gs://b/run", "/b/run/ckpt-1", False),
+    ("file:///r/a", "/r/a/ckpt-1", True),
+])
+def test_is_contained(directory, path, inside):
+  assert layout.is_contained(directory, path) is inside
+
+
+def test_is_contained_relative_and_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert layout.is_contained("run", str(tmp_path / "run" / "ckpt-1"))
+  assert layout.is_contained(str(tmp_path / "run"), "run/ckpt-1")
+  assert not layout.is_contained("run", "other/ckpt-1")
+
+
+def test_check_inside_follows_symlinks(tmp_path):
+  run, outside = tmp_path / "run", tmp_path / "outside"
+  run.mkdir()
+  outside.mkdir()
+  (outside / "secret").write_text("x")
+  (run / "real.flax").write_text("x")
+  os.symlink("real.flax", run / "alias.flax")
+  os.symlink("../outside/secret", run / "ckpt-1.flax")
+  os.symlink(str(outside), run / "sub")
+  layout.check_inside(str(run), str(run / "real.flax"))
+  layout.check_inside(str(run), str(run / "alias.flax"))
+  with pytest.raises(layout.OutsideDirectoryError,
+                     match=r"ckpt-1\.flax: resolves outside .*a symlink to"):
+    layout.check_inside(str(run), str(run / "ckpt-1.flax"))
+  with pytest.raises(layout.OutsideDirectoryError, match="'\\.\\.'"):
+    layout.check_inside(str(run), f"{run}/../outside/secret")
+  with pytest.raises(layout.OutsideDirectoryError, match="a path elsewhere"):
+    layout.check_inside(str(run), str(outside / "secret"))
+  with pytest.raises(layout.OutsideDirectoryError):
+    layout.check_inside(str(run), str(run / "sub" / "secret"))
+
+
+def test_check_inside_symlinked_directory_itself(tmp_path):
+  # The directory a user names may itself be a symlink: its own files count.
+  (tmp_path / "real").mkdir()
+  (tmp_path / "real" / "ckpt-1.flax").write_text("x")
+  os.symlink("real", tmp_path / "link")
+  layout.check_inside(str(tmp_path / "link"),
+                      str(tmp_path / "link" / "ckpt-1.flax"))
+
+
+def test_check_inside_symlink_loop_is_not_an_error_here(tmp_path):
+  # A loop cannot lead outside; reading it fails later with ELOOP.
+  os.symlink("ckpt-1.flax", tmp_path / "ckpt-1.flax")
+  layout.check_inside(str(tmp_path), str(tmp_path / "ckpt-1.flax"))
+
+
+@pytest.mark.parametrize("path", ["gs://bucket//run/./ckpt/", "/a//b/../c/",
+                                  "rel/./x/", "x", "/", "./a"])
+def test_normpath(path):
+  scheme, rest = layout.split_scheme(path)
+  assert layout.normpath(path) == scheme + os.path.normpath(rest)
