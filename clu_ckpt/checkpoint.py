@@ -46,6 +46,7 @@ from typing import Any, Dict, Optional, Sequence, TypeVar, Union
 from absl import logging
 
 from clu_ckpt import flax_format
+from clu_ckpt import errors
 from clu_ckpt import layout
 from clu_ckpt import storage
 
@@ -140,7 +141,8 @@ class CheckpointInfo(
     """
     parts = layout.split_checkpoint(checkpoint)
     if parts is None:
-      raise ValueError(f"Invalid checkpoint format: {checkpoint}")
+      raise errors.InvalidCheckpointError(
+          f"Invalid checkpoint format: {checkpoint}")
     digits = re.search(r"\d+$", checkpoint)
     return cls(checkpoint[:digits.start() - 1], parts[1])
 
@@ -370,7 +372,8 @@ class Checkpoint:
     if checkpoint is None:
       checkpoint = self.get_latest_checkpoint_to_restore_from()
       if checkpoint is None:
-        raise FileNotFoundError(f"No checkpoint found at {self.base_directory}")
+        raise errors.CheckpointNotFoundError(
+            f"No checkpoint found at {self.base_directory}")
     return checkpoint
 
   # -- saving -------------------------------------------------------------------
@@ -510,7 +513,7 @@ class Checkpoint:
       raise error from e
     current = self.current_checkpoint
     if current != next_checkpoint:
-      raise RuntimeError(
+      raise errors.ConcurrentWriterError(
           f"Saved {current} but expected {next_checkpoint}: another process "
           f"may be writing to {self.base_directory}")
     self._sweep_debris()  # includes the .flax of checkpoints TF pruned
@@ -691,7 +694,7 @@ class Checkpoint:
     try:
       return serialization.from_state_dict(state, state_dict)
     except ValueError as e:
-      raise ValueError(
+      raise errors.InvalidCheckpointError(
           f"{e} (restoring {self._flax_path(resolved)} into a "
           f"{type(state).__name__} template)") from e
 
@@ -699,8 +702,8 @@ class Checkpoint:
                  subtree: Any = None) -> Any:
     flax_path = self._flax_path(checkpoint)
     if not storage.exists(flax_path):
-      raise FileNotFoundError(f"Checkpoint {requested} does not exist "
-                              f"({flax_path} not found)")
+      raise errors.CheckpointNotFoundError(
+          f"Checkpoint {requested} does not exist ({flax_path} not found)")
     return flax_format.load_file(flax_path, subtree=subtree)
 
   def restore(self, state: Optional[T], checkpoint: Optional[str] = None) -> T:
@@ -781,7 +784,7 @@ class MultihostCheckpoint(Checkpoint):
       TypeError: `host_id` is not an integer.
     """
     if max_to_keep < 2:
-      raise ValueError("Requires multiple checkpoints (max_to_keep>=2).")
+      raise errors.UsageError("Requires multiple checkpoints (max_to_keep>=2).")
     multihost_base_directory = multihost_base_directory.rstrip("/")
     self.multihost_base_directory = multihost_base_directory
     if host_id is None:
@@ -923,5 +926,5 @@ def _os_error(error: Exception, message: str, filename: str) -> OSError:
     text = str(error)
     code = next((c for c in _ERRNOS if os.strerror(c) in text), None)
   detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-  return OSError(code, f"{message}: {type(error).__name__}: {detail}",
-                 filename)
+  return errors.CheckpointWriteError(
+      code, f"{message}: {type(error).__name__}: {detail}", filename)

@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import msgpack
 import numpy as np
 
+from clu_ckpt import errors
 from clu_ckpt import storage
 
 # Arrays larger than this many bytes are split into chunks (Flax's MAX_CHUNK_SIZE).
@@ -92,22 +93,7 @@ _SMALL_BUFFER = 2**20
 Subtree = Union[None, str, Sequence[str]]
 
 
-class FlaxFormatError(ValueError):
-  """A `.flax` file (or byte string) is not a valid Flax msgpack checkpoint.
-
-  Attributes:
-    path: The file, or None for an in-memory byte string.
-    offset: Byte offset at which the problem was found, or None.
-  """
-
-  def __init__(self, message: str, path: Optional[str] = None,
-               offset: Optional[int] = None):
-    where = path if path is not None else "<bytes>"
-    if offset is not None:
-      where = f"{where} at byte {offset}"
-    super().__init__(f"{where}: {message}")
-    self.path = path
-    self.offset = offset
+FlaxFormatError = errors.FlaxFormatError
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -263,9 +249,9 @@ class _Encoder:
     try:
       self._sink.small(self._packer.pack(obj))
     except TypeError as e:
-      raise TypeError(f"{e} at {path or '/'}: register its type with "
-                      "flax.serialization or convert it to a supported "
-                      "leaf") from None
+      raise errors.UnsupportedLeafError(
+          f"{e} at {path or '/'}: register its type with flax.serialization "
+          "or convert it to a supported leaf") from None
 
   def _array(self, arr: Any, path: str) -> None:
     arr = np.asarray(arr)  # zero-copy for numpy and CPU jax arrays
@@ -288,8 +274,9 @@ class _Encoder:
 
   def _ndarray_ext(self, code: int, arr: np.ndarray, path: str) -> None:
     if arr.dtype.hasobject or arr.dtype.isalignedstruct:
-      raise ValueError("Object and structured dtypes not supported for "
-                       f"serialization of ndarrays (at {path or '/'}).")
+      raise errors.InvalidCheckpointError(
+          "Object and structured dtypes not supported for serialization of "
+          f"ndarrays (at {path or '/'}).")
     nbytes = arr.size * arr.dtype.itemsize
     head = (b"\x93" + msgpack.packb(list(arr.shape)) +
             msgpack.packb(arr.dtype.name) + _bin_header(nbytes))
@@ -309,8 +296,9 @@ def _to_state_dict(obj: Any) -> Any:
   if kind is dict:
     keys = [str(k) for k in obj]
     if len(set(keys)) != len(obj):
-      raise ValueError("Dict keys do not have a unique string representation: "
-                       f"{sorted(set(keys))} vs given keys {list(obj)}")
+      raise errors.InvalidCheckpointError(
+          "Dict keys do not have a unique string representation: "
+          f"{sorted(set(keys))} vs given keys {list(obj)}")
     return {k: _to_state_dict(v) for k, v in zip(keys, obj.values())}
   if (kind is list or kind is tuple) and not hasattr(obj, "_fields"):
     return {str(i): _to_state_dict(v) for i, v in enumerate(obj)}
@@ -385,7 +373,8 @@ def _ext_header(code: int, n: int) -> bytes:
     return struct.pack(">BHB", 0xC8, n, code)
   if n < 2**32:
     return struct.pack(">BIB", 0xC9, n, code)
-  raise ValueError(f"ext payload of {n} bytes exceeds msgpack's 4 GiB limit")
+  raise errors.InvalidCheckpointError(
+      f"ext payload of {n} bytes exceeds msgpack's 4 GiB limit")
 
 
 # --------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import re
 from typing import Any, Optional
 
 from clu_ckpt import flax_format
+from clu_ckpt import errors
 from clu_ckpt import layout
 from clu_ckpt.checkpoint import host_directories
 from clu_ckpt import storage
@@ -219,7 +220,7 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
   if storage.isdir(path) and (_has_checkpoints(path) or not hosts):
     hosts = {None: path}
   elif not hosts:
-    raise FileNotFoundError(f"No CLU checkpoint directory, multihost base or "
+    raise errors.CheckpointNotFoundError(f"No CLU checkpoint directory, multihost base or "
                             f".flax file at {path}")
   rows: dict[tuple, dict[str, Any]] = {}
   problems: list[str] = []
@@ -266,7 +267,7 @@ def _choose(checkpoints: list, number: Optional[int]) -> Optional[dict]:
     for row in checkpoints:
       if row["number"] == number:
         return row
-    raise FileNotFoundError(f"No checkpoint number {number}")
+    raise errors.CheckpointNotFoundError(f"No checkpoint number {number}")
   committed = [r for r in checkpoints if r["committed"]]
   return committed[-1] if committed else None
 
@@ -518,7 +519,7 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
         clu_checkpoint=clu.get("clu_checkpoint"), source=clu.get("source"),
         hosts=clu.get("hosts")))
   if step is not None and step not in numbers:
-    raise FileNotFoundError(f"No step {step} in {root}")
+    raise errors.CheckpointNotFoundError(f"No step {step} in {root}")
   chosen = step if step is not None else (numbers[-1] if numbers else None)
   tree = None
   if chosen is not None:

@@ -27,24 +27,14 @@ import os
 import re
 from typing import Optional
 
+from clu_ckpt import errors
+
 _SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)",
                         re.I | re.S)
 _CHECKPOINT_RE = re.compile(r"(?P<name>.*)-(?P<number>\d+)", re.S)
 
 
-class OutsideDirectoryError(ValueError):
-  """A checkpoint file or listed checkpoint resolves outside its directory.
-
-  Attributes:
-    path: The offending path, as listed or found.
-    directory: The checkpoint directory it should be in.
-  """
-
-  def __init__(self, path: str, directory: str, how: str):
-    super().__init__(f"{path}: resolves outside the checkpoint directory "
-                     f"{directory} ({how}); refused")
-    self.path = path
-    self.directory = directory
+OutsideDirectoryError = errors.OutsideDirectoryError
 
 
 def split_scheme(path: str) -> tuple[str, str]:

@@ -46,6 +46,7 @@ import numpy as np
 
 from clu_ckpt import __version__
 from clu_ckpt import checkpoint as clu_checkpoint
+from clu_ckpt import errors
 from clu_ckpt import flax_format
 from clu_ckpt import layout
 from clu_ckpt import storage
@@ -64,8 +65,7 @@ _VERIFY_BATCH_BYTES = 256 * 2**20
 _COMPARE_BLOCK = 64 * 2**20
 
 
-class MigrationError(Exception):
-  """A migration cannot proceed; the message says why and what to do."""
+MigrationError = errors.MigrationError
 
 
 # --------------------------------------------------------------------------
@@ -1158,7 +1158,8 @@ def restore_state(destination: str, step: Optional[int] = None) -> Any:
   if step is None and steps:
     step = steps[-1]
   if step not in steps:
-    raise FileNotFoundError(f"{destination}: no step {step} (steps: {steps})")
+    raise errors.CheckpointNotFoundError(
+        f"{destination}: no step {step} (steps: {steps})")
   checkpointer = ocp.Checkpointer(ocp.handlers.CompositeCheckpointHandler())
   with checkpointer:
     restored = checkpointer.restore(

@@ -45,6 +45,8 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import orbax.checkpoint as ocp
 
+from clu_ckpt import errors
+
 PROCESS_KEY_PREFIX = "process_"
 # File suffixes TensorFlow gives a checkpoint's files after `<prefix>.`.
 _SUFFIX_RE = re.compile(r"^(index|data-\d{5}-of-\d{5})$")
@@ -100,17 +102,17 @@ def read_tf_files(prefix: str) -> TfFiles:
 
 def _check_complete(files: Mapping[str, Any], where: str) -> None:
   if "index" not in files:
-    raise FileNotFoundError(f"{where}.index: TensorFlow checkpoint index not "
+    raise errors.CheckpointNotFoundError(f"{where}.index: TensorFlow checkpoint index not "
                             "found")
   shards = [s for s in files if s.startswith("data-")]
   if not shards:
-    raise FileNotFoundError(f"{where}.data-*: TensorFlow checkpoint data not "
+    raise errors.CheckpointNotFoundError(f"{where}.data-*: TensorFlow checkpoint data not "
                             "found")
   count = int(shards[0].rsplit("-of-", 1)[1])
   for i in range(count):
     shard = f"data-{i:05d}-of-{count:05d}"
     if shard not in files:
-      raise FileNotFoundError(f"{where}.{shard}: TensorFlow checkpoint data "
+      raise errors.CheckpointNotFoundError(f"{where}.{shard}: TensorFlow checkpoint data "
                               "shard not found")
 
 
@@ -118,7 +120,7 @@ def write_tf_files(files: Mapping[str, Any], prefix: str) -> None:
   """Writes `files` (see `read_tf_files`) as `<prefix>.<suffix>` files."""
   for suffix, content in files.items():
     if not _SUFFIX_RE.match(suffix):
-      raise ValueError(f"not a TensorFlow checkpoint file suffix: {suffix!r}")
+      raise errors.InvalidCheckpointError(f"not a TensorFlow checkpoint file suffix: {suffix!r}")
     with open(f"{prefix}.{suffix}", "wb") as f:
       f.write(np.asarray(content, np.uint8).tobytes())
 
@@ -145,7 +147,7 @@ def tf_state_names(prefix: str, *, check: bool = False) -> list[str]:
     reader = tf.train.load_checkpoint(prefix)
     variables = sorted(reader.get_variable_to_shape_map())
   except (tf.errors.OpError, ValueError) as e:
-    raise ValueError(f"{prefix}.index: unreadable TensorFlow checkpoint: "
+    raise errors.InvalidCheckpointError(f"{prefix}.index: unreadable TensorFlow checkpoint: "
                      f"{_first_line(e)}") from None
   if check:
     for name in variables:
@@ -163,10 +165,10 @@ def _read_variable(tf: Any, reader: Any, name: str, prefix: str) -> None:
     # Variants (iterator states) are read and checksummed, then cannot be
     # turned into numpy arrays; that last step is all that failed.
     if "not convertible to numpy" not in str(e):
-      raise ValueError(f"{prefix}.data-*: corrupt TensorFlow checkpoint "
+      raise errors.InvalidCheckpointError(f"{prefix}.data-*: corrupt TensorFlow checkpoint "
                        f"data ({name}): {_first_line(e)}") from None
   except tf.errors.OpError as e:
-    raise ValueError(f"{prefix}.data-*: corrupt TensorFlow checkpoint data "
+    raise errors.InvalidCheckpointError(f"{prefix}.data-*: corrupt TensorFlow checkpoint data "
                      f"({name}): {_first_line(e)}") from None
 
 
@@ -205,7 +207,7 @@ def restore_tf_state(tf_state: Mapping[str, Any],
     saved = tf_state_names(prefix)
     missing = sorted(set(tf_state) - set(saved))
     if missing:
-      raise ValueError(f"tf_state keys {missing} have no saved value; the "
+      raise errors.InvalidCheckpointError(f"tf_state keys {missing} have no saved value; the "
                        f"checkpoint holds {saved}")
     status = tf.train.Checkpoint(**tf_state).read(prefix)
     status.assert_existing_objects_matched()

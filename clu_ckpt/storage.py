@@ -51,6 +51,8 @@ from typing import Any, Callable, Iterator, Optional
 
 from absl import logging
 
+from clu_ckpt import errors
+
 _SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+)://", re.I)
 
 TF_INSTALL_HINT = (
@@ -161,15 +163,7 @@ def stat(path: str) -> tuple[int, float]:
   return st.length, st.mtime_nsec / 1e9
 
 
-class NotRegularFileError(OSError):
-  """A named pipe, device, socket or directory where a file is expected.
-
-  Reading one could block forever (a FIFO), never end (`/dev/zero`) or fail
-  obscurely, so it is refused before anything reads it. `e.filename` is the
-  path; `str(e)` reads e.g.
-  "[Errno 22] not a regular file (a named pipe): '/ckpts/checkpoint'"
-  (errno EISDIR for a directory, else EINVAL).
-  """
+NotRegularFileError = errors.NotRegularFileError
 
 
 _KINDS = ((statlib.S_ISDIR, "a directory"), (statlib.S_ISFIFO, "a named pipe"),
@@ -535,16 +529,7 @@ MAX_STATE_FILE_BYTES = 128 * 2**20
 MAX_STATE_ENTRIES = 2**22
 
 
-class CheckpointStateError(ValueError):
-  """The `checkpoint` state file cannot be used; `.path` names it."""
-
-  def __init__(self, path: str, problem: str):
-    super().__init__(f"checkpoint state file {path}: {problem}")
-    self.path = path
-    self.problem = problem
-
-  def __reduce__(self):
-    return type(self), (self.path, self.problem)
+CheckpointStateError = errors.CheckpointStateError
 
 
 @dataclasses.dataclass
