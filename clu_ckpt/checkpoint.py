@@ -36,7 +36,6 @@ attributes need it, and `MultihostCheckpoint` only considers directories named
 from __future__ import annotations
 
 import collections
-import errno
 import operator
 import os
 import re
@@ -49,6 +48,7 @@ from clu_ckpt import flax_format
 from clu_ckpt import errors
 from clu_ckpt import layout
 from clu_ckpt import storage
+from clu_ckpt import tf_manager
 
 T = TypeVar("T")
 
@@ -69,6 +69,9 @@ def safe_normpath(path: str) -> str:
     The normalized path.
   """
   return layout.normpath(path)
+
+
+host_directories = layout.host_directories
 
 
 def load_state_dict(base_directory: str, *,
@@ -259,30 +262,11 @@ class Checkpoint:
   def _new_manager(self):
     """A `tf.train.CheckpointManager` that reads the directory's state.
 
-    What reaches TensorFlow is contained first: listed checkpoints outside
-    `base_directory` are dropped from the manager's prune list (TensorFlow
-    would delete their files), with a warning; the `checkpoint` file must be
-    a regular file (TensorFlow would block forever on a named pipe).
+    What reaches TensorFlow is contained first (see `tf_manager`).
     """
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    state_file = storage.join(self.base_directory, storage.STATE_FILENAME)
-    try:
-      storage.check_regular_file(state_file)
-    except FileNotFoundError:
-      pass  # no checkpoint yet
-    manager = tf.train.CheckpointManager(
-        self._tf_checkpoint,
-        self.base_directory,
-        max_to_keep=self.max_to_keep,
-        checkpoint_name=self.checkpoint_name)
-    managed = manager._maybe_delete  # pylint: disable=protected-access
-    for path in list(managed):
-      if not layout.is_contained(self.base_directory, path):
-        logging.warning(
-            "%s lists %s, which is outside %s: it is left alone (never "
-            "pruned or deleted)", state_file, path, self.base_directory)
-        del managed[path]
-    return manager
+    return tf_manager.new_manager(
+        self._tf_checkpoint, self.base_directory,
+        max_to_keep=self.max_to_keep, checkpoint_name=self.checkpoint_name)
 
   def _current_number(self) -> int:
     if self._tf_checkpoint is not None:
@@ -305,7 +289,7 @@ class Checkpoint:
     """
     latest = self.latest_checkpoint
     listing = {}
-    if latest is None or _has_files(latest, listing):
+    if latest is None or layout.has_files(latest, listing):
       return latest
     parts = layout.split_checkpoint(latest)
     if parts is None:
@@ -313,7 +297,7 @@ class Checkpoint:
     for path in reversed(self._listed_checkpoints()):
       number = layout.checkpoint_number(path, parts[0])
       if (number is not None and number < parts[1] and
-          _has_files(path, listing)):
+          layout.has_files(path, listing)):
         logging.warning("Files of the latest checkpoint %s are missing; "
                         "restoring %s instead", latest, path)
         return path
@@ -390,11 +374,7 @@ class Checkpoint:
     directory's own checkpoints (`{checkpoint_name}-{number}` inside
     `base_directory`) are removed; listed entries elsewhere are left alone.
     """
-    def files(checkpoint: str) -> list[str]:
-      pattern = storage.glob_escape(checkpoint)
-      # `_temp` is TensorFlow's unfinished write.
-      return storage.glob(f"{pattern}.*") + storage.glob(f"{pattern}_temp")
-
+    files = layout.checkpoint_files
     future = {}
     number = self._current_number()
     while True:
@@ -420,7 +400,9 @@ class Checkpoint:
         future[listed] = files(listed)
     if not future:
       return
-    self._unlist(future)
+    number = self._current_number()
+    tf_manager.unlist(self.tf_checkpoint_manager, self.base_directory,
+                      list(future), self._numbered(number) if number else None)
     for paths in future.values():
       for path in paths:
         logging.info("Cleaning up future checkpoint file '%s'", path)
@@ -428,42 +410,6 @@ class Checkpoint:
           storage.remove_tree(path)
         else:
           storage.remove(path)
-
-  def _unlist(self, checkpoints: Sequence[str]) -> None:
-    """Rewrites TensorFlow's `checkpoint` file without `checkpoints`.
-
-    Uses the manager's own bookkeeping (`_maybe_delete`, `_latest_checkpoint`,
-    `_record_state`, unchanged since TensorFlow 1.13) so that the file is
-    exactly what TensorFlow itself would write for the remaining list.
-    """
-    # pylint: disable=protected-access
-    manager = self.tf_checkpoint_manager
-    managed = manager._maybe_delete  # path -> timestamp, oldest first
-    latest = manager.latest_checkpoint
-    listed = [p for p in managed if p in checkpoints]
-    if not listed and latest not in checkpoints:
-      return
-    logging.info("Unlisting checkpoints %s (latest was %s)", listed, latest)
-    for path in listed:
-      del managed[path]
-    number = self._current_number()
-    if not managed and number > 0:
-      # The current checkpoint is listed but not managed (older than the
-      # file's last_preserved_timestamp, e.g. written under a clock ahead of
-      # this one): it stays listed and unmanaged, as a fresh manager sees it.
-      managed[self._numbered(number)] = manager._last_preserved_timestamp
-    if not managed:
-      # Saving without restoring starts over at number 1: nothing to list.
-      manager._latest_checkpoint = None
-      storage.remove(storage.join(self.base_directory, "checkpoint"))
-      return
-    if latest in checkpoints:
-      manager._latest_checkpoint = next(reversed(managed))
-    manager._record_state()
-    # pylint: enable=protected-access
-    # TensorFlow does not fsync; the deletions that follow must not reach
-    # the disk before this rewrite does.
-    storage.sync(storage.join(self.base_directory, "checkpoint"))
 
   def save(self, state: Any) -> str:
     """Saves `state` (and `tf_state`) as a new checkpoint.
@@ -549,7 +495,7 @@ class Checkpoint:
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("Could not re-read %s after a failed save: %s",
                       self.base_directory, e)
-    if not _is_io_error(error):
+    if not tf_manager.is_io_error(error):
       return error
     message = {
         True: f"Checkpoint {checkpoint} was committed, but removing older "
@@ -560,7 +506,7 @@ class Checkpoint:
               f"{self.base_directory}/checkpoint to tell whether it was "
               "committed",
     }[committed]
-    return _os_error(error, message, checkpoint)
+    return tf_manager.as_os_error(error, message, checkpoint)
 
   def _committed(self, checkpoint: str) -> Optional[bool]:
     """Whether TensorFlow's `checkpoint` file names `checkpoint` as latest.
@@ -599,7 +545,8 @@ class Checkpoint:
     try:
       names = set(storage.listdir(self.base_directory))
       for entry in sorted(names):
-        if not self._is_debris(entry, names, oldest, latest):
+        if not layout.is_debris(entry, names, self.checkpoint_name, oldest,
+                                latest):
           continue
         path = storage.join(self.base_directory, entry)
         logging.info("Removing leftover '%s'", path)
@@ -610,23 +557,6 @@ class Checkpoint:
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("Could not remove leftovers in %s: %s",
                       self.base_directory, e)
-
-  def _is_debris(self, entry: str, names: set[str], oldest: int,
-                 latest: int) -> bool:
-    if entry.startswith("checkpoint.tmp"):
-      return True
-    match = re.fullmatch(
-        rf"{re.escape(self.checkpoint_name)}-(\d+)(\.flax(\.tmp-.*)?|_temp)",
-        entry)
-    if not match:
-      return False
-    number, suffix = int(match.group(1)), match.group(2)
-    if suffix == "_temp":
-      return number <= latest
-    if suffix == ".flax":
-      return (number < oldest and
-              f"{self.checkpoint_name}-{number}.index" not in names)
-    return number < oldest  # a temporary .flax
 
   def restore_or_initialize(self, state: T) -> T:
     """Restores the latest checkpoint, or saves `state` as the first one.
@@ -817,114 +747,5 @@ class MultihostCheckpoint(Checkpoint):
       logging.info("%s not in %s", self.base_directory,
                    list(directories.values()))
       return None
-    common = None
-    listed = {}
-    exclusive = set()
-    for directory in directories.values():
-      state = storage.read_checkpoint_state(directory)
-      paths = state.managed_checkpoints() if state else []
-      # Only this directory's own checkpoints count (see `layout`).
-      numbers = {layout.checkpoint_number(p, self.checkpoint_name): p
-                 for p in paths if layout.is_contained(directory, p)}
-      numbers.pop(None, None)
-      listed[directory] = numbers
-      exclusive |= set(numbers)
-      common = set(numbers) if common is None else common & set(numbers)
-    logging.info("Checked checkpoint directories %s: common numbers %s, "
-                 "exclusive numbers %s", list(directories.values()), common,
-                 exclusive - (common or set()))
-    if not common:
-      return None
-    # A number counts only where every host has its files (see
-    # `Checkpoint.get_latest_checkpoint_to_restore_from`); if none has them
-    # all, the newest is returned and its restore fails, naming the file:
-    # starting over would delete every host's checkpoints.
-    listing = {}
-    for number in sorted(common, reverse=True):
-      missing = [d for d, numbers in listed.items()
-                 if not _has_files(numbers[number], listing)]
-      if not missing:
-        return listed[self.base_directory][number]
-      logging.warning("Checkpoint number %d is listed by every host, but "
-                      "files are missing in %s; trying older ones", number,
-                      missing)
-    return listed[self.base_directory][max(common)]
-
-
-def host_directories(multihost_base_directory: str) -> Dict[int, str]:
-  """The host directories of a `MultihostCheckpoint` base.
-
-  Example::
-
-    host_directories("/work/checkpoints")
-    # {0: "/work/checkpoints-0", 1: "/work/checkpoints-1"}
-
-  Args:
-    multihost_base_directory: The shared prefix passed to
-      `MultihostCheckpoint`.
-
-  Returns:
-    Host id -> normalized directory, for every existing directory named
-    `{multihost_base_directory}-{integer}`, sorted by host id.
-  """
-  prefix = f"{safe_normpath(multihost_base_directory.rstrip('/'))}-"
-  found = {}
-  for path in storage.glob(f"{storage.glob_escape(prefix)}*"):
-    suffix = path[len(prefix):]
-    if suffix.isdigit() and storage.isdir(path):
-      found[int(suffix)] = safe_normpath(path)
-  return dict(sorted(found.items()))
-
-
-def _has_files(checkpoint: str,
-               listing: Optional[Dict[str, set[str]]] = None) -> bool:
-  """Whether the `.flax`, `.index` and `.data-*` files of `checkpoint` exist.
-
-  Args:
-    checkpoint: A checkpoint path (`<directory>/ckpt-N`).
-    listing: Directory -> names in it, filled on first use: one listing per
-      directory however many checkpoints are checked.
-  """
-  listing = {} if listing is None else listing
-  directory, name = os.path.split(checkpoint)
-  if directory not in listing:
-    try:
-      listing[directory] = set(storage.listdir(directory))
-    except OSError:  # e.g. a listed checkpoint in a directory that is gone
-      listing[directory] = set()
-  names = listing[directory]
-  return (f"{name}.flax" in names and f"{name}.index" in names and
-          any(n.startswith(f"{name}.data-") for n in names))
-
-
-_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES,
-           errno.EIO)
-# TensorFlow's errors for failed file operations.
-_TF_IO_ERRORS = ("NotFoundError", "PermissionDeniedError",
-                 "ResourceExhaustedError", "DataLossError", "UnavailableError",
-                 "AbortedError", "DeadlineExceededError")
-
-
-def _is_io_error(error: Exception) -> bool:
-  """Whether `error` is a failed file operation (not, e.g., a bad iterator)."""
-  if isinstance(error, OSError):
-    return True
-  text = str(error)
-  return type(error).__name__ in _TF_IO_ERRORS or any(
-      os.strerror(code) in text for code in _ERRNOS)
-
-
-def _os_error(error: Exception, message: str, filename: str) -> OSError:
-  """An OSError for a failed TensorFlow write (TF raises its own types).
-
-  The errno is the one whose text TensorFlow's message carries ("No space
-  left on device"), when there is one.
-  """
-  if isinstance(error, OSError):
-    code = error.errno
-  else:
-    text = str(error)
-    code = next((c for c in _ERRNOS if os.strerror(c) in text), None)
-  detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-  return errors.CheckpointWriteError(
-      code, f"{message}: {type(error).__name__}: {detail}", filename)
+    found = layout.newest_common(directories, self.checkpoint_name)
+    return None if found is None else found[1][self.base_directory]

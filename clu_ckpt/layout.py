@@ -1,4 +1,4 @@
-"""What belongs to a CLU checkpoint directory: checkpoint names and containment.
+"""What a CLU checkpoint directory is: names, containment, hosts, debris.
 
 A CLU `Checkpoint` directory holds `<name>-<number>.flax`, TensorFlow's
 `<name>-<number>.index` / `.data-*` and TensorFlow's `checkpoint` state file,
@@ -7,7 +7,13 @@ absolute paths elsewhere, `../` paths, or names of another program, and a
 copied directory may hold symlinks. This module decides, in one place, which
 listed paths belong to a directory (a checkpoint may be changed or deleted
 only there) and what a checkpoint's name and number are (parsed from the base
-name only: digits in a parent directory's name never count).
+name only: digits in a parent directory's name never count). It also owns the
+other rules of the layout that clu defines: which `<base>-<int>` directories
+are a `MultihostCheckpoint`'s hosts and which number they have in common,
+when a checkpoint's files are complete, what a killed save leaves behind, and
+whether a path is a checkpoint directory or a multihost base. Every other
+module asks here; none re-derives these rules. TensorFlow's `checkpoint` file
+itself is parsed by `clu_ckpt.state_file`.
 
 Synopsis::
 
@@ -19,19 +25,27 @@ Synopsis::
   layout.is_contained("/runs/a", "/runs/a/../b/ckpt-7")   # False
   layout.check_inside("/runs/a", "/runs/a/ckpt-7.flax")   # raises if a
                                                          # symlink leads out
+  layout.host_directories("/runs/a/checkpoints")    # {0: ".../checkpoints-0"}
+  layout.newest_common(layout.host_directories(base), "ckpt")   # (7, {...})
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Optional
+from typing import Mapping, Optional
+
+from absl import logging
 
 from clu_ckpt import errors
+from clu_ckpt import storage
 
 _SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)",
                         re.I | re.S)
 _CHECKPOINT_RE = re.compile(r"(?P<name>.*)-(?P<number>\d+)", re.S)
+# A numbered `.flax` file in a directory listing.
+FLAX_NAME_RE = re.compile(r"^(?P<name>.+)-(?P<number>\d+)\.flax$", re.S)
+STATE_FILENAME = "checkpoint"
 
 
 OutsideDirectoryError = errors.OutsideDirectoryError
@@ -153,3 +167,209 @@ def check_inside(directory: str, path: str) -> None:
   real = os.path.realpath(local)
   if os.path.commonpath([real_directory, real]) != real_directory:
     raise OutsideDirectoryError(path, directory, f"a symlink to {real}")
+
+
+# --------------------------------------------------------------------------
+# Checkpoint files.
+# --------------------------------------------------------------------------
+
+
+def checkpoint_files(checkpoint: str) -> list[str]:
+  """Every file of a checkpoint: `<checkpoint>.*` and TensorFlow's `_temp`."""
+  pattern = storage.glob_escape(checkpoint)
+  return storage.glob(f"{pattern}.*") + storage.glob(f"{pattern}_temp")
+
+
+def has_files(checkpoint: str,
+              listing: Optional[dict[str, set[str]]] = None) -> bool:
+  """Whether the `.flax`, `.index` and `.data-*` files of `checkpoint` exist.
+
+  Example::
+
+    listing = {}
+    complete = [c for c in listed if has_files(c, listing)]   # one listdir
+
+  Args:
+    checkpoint: A checkpoint path (`<directory>/ckpt-N`).
+    listing: Directory -> names in it, filled on first use: one listing per
+      directory however many checkpoints are checked.
+
+  Returns:
+    True when all three kinds of file are there.
+  """
+  listing = {} if listing is None else listing
+  directory, name = os.path.split(checkpoint)
+  if directory not in listing:
+    try:
+      listing[directory] = set(storage.listdir(directory))
+    except OSError:  # e.g. a listed checkpoint in a directory that is gone
+      listing[directory] = set()
+  names = listing[directory]
+  return (f"{name}.flax" in names and f"{name}.index" in names and
+          any(n.startswith(f"{name}.data-") for n in names))
+
+
+def is_debris(entry: str, names: set[str], checkpoint_name: str, oldest: int,
+              latest: int) -> bool:
+  """Whether a directory entry is what a killed or pruned save left behind.
+
+  That is TensorFlow's temporary `checkpoint.tmp*` state files, its unfinished
+  `<name>-N_temp/` up to the latest number, temporary `.flax` files below the
+  oldest kept number, and `.flax` files below it whose `.index` is gone.
+  A checkpoint that still has its `.index` is never debris.
+
+  Args:
+    entry: A name in the directory.
+    names: Every name in the directory.
+    checkpoint_name: The checkpoints' name (`ckpt`).
+    oldest: The oldest number TensorFlow keeps.
+    latest: The latest number.
+
+  Returns:
+    True when `entry` may be removed.
+  """
+  if entry.startswith(f"{STATE_FILENAME}.tmp"):
+    return True
+  match = re.fullmatch(
+      rf"{re.escape(checkpoint_name)}-(\d+)(\.flax(\.tmp-.*)?|_temp)",
+      entry, re.S)
+  if not match:
+    return False
+  number, suffix = int(match.group(1)), match.group(2)
+  if suffix == "_temp":
+    return number <= latest
+  if suffix == ".flax":
+    return number < oldest and f"{checkpoint_name}-{number}.index" not in names
+  return number < oldest  # a temporary .flax
+
+
+# --------------------------------------------------------------------------
+# Directories: single host, multihost bases.
+# --------------------------------------------------------------------------
+
+
+def host_directories(multihost_base_directory: str) -> dict[int, str]:
+  """The host directories of a `MultihostCheckpoint` base.
+
+  Only directories named `<base>-<integer>` count (clu globbed `<base>-*`).
+
+  Example::
+
+    host_directories("/work/checkpoints")
+    # {0: "/work/checkpoints-0", 1: "/work/checkpoints-1"}
+
+  Args:
+    multihost_base_directory: The shared prefix passed to
+      `MultihostCheckpoint`.
+
+  Returns:
+    Host id -> normalized directory, sorted by host id.
+  """
+  prefix = f"{normpath(multihost_base_directory.rstrip('/'))}-"
+  found = {}
+  for path in storage.glob(f"{storage.glob_escape(prefix)}*"):
+    suffix = path[len(prefix):]
+    if suffix.isdigit() and storage.isdir(path):
+      found[int(suffix)] = normpath(path)
+  return dict(sorted(found.items()))
+
+
+def is_checkpoint_directory(directory: str) -> bool:
+  """Whether `directory` holds a `checkpoint` file or a numbered `.flax`."""
+  try:
+    names = storage.listdir(directory)
+  except OSError:
+    return False
+  return STATE_FILENAME in names or any(FLAX_NAME_RE.match(n) for n in names)
+
+
+def source_directories(path: str) -> dict[Optional[int], str]:
+  """What a path names: a checkpoint directory or a multihost base.
+
+  Example::
+
+    source_directories("/work/ckpts")        # {None: "/work/ckpts"}
+    source_directories("/work/checkpoints")  # {0: ".../checkpoints-0", ...}
+
+  Args:
+    path: A `Checkpoint` directory or a `MultihostCheckpoint` base.
+
+  Returns:
+    `{None: path}` for a checkpoint directory (one that holds checkpoints, or
+    has no host directories beside it), else host id -> directory; empty
+    when `path` is neither.
+  """
+  hosts = host_directories(path)
+  if storage.isdir(path) and (is_checkpoint_directory(path) or not hosts):
+    return {None: path}
+  return dict(hosts)
+
+
+def listed_numbers(directory: str, checkpoint_name: str,
+                   state=None) -> dict[int, str]:
+  """Number -> path of the checkpoints TensorFlow manages in `directory`.
+
+  Only entries inside `directory` named `<checkpoint_name>-<number>` count.
+
+  Args:
+    directory: A checkpoint directory.
+    checkpoint_name: The checkpoints' name.
+    state: Its `state_file.CheckpointState` if already read.
+
+  Returns:
+    The numbers, each with the path as listed.
+  """
+  if state is None:
+    state = storage.read_checkpoint_state(directory)
+  paths = state.managed_checkpoints() if state else []
+  numbers = {}
+  for path in paths:
+    number = checkpoint_number(path, checkpoint_name)
+    if number is not None and is_contained(directory, path):
+      numbers[number] = path
+  return numbers
+
+
+def newest_common(directories: Mapping[int, str], checkpoint_name: str
+                  ) -> Optional[tuple[int, dict[str, str]]]:
+  """The newest number every host lists with complete files.
+
+  The rule `MultihostCheckpoint` restores by: a number counts only where
+  every host lists it (`listed_numbers`) and has its `.flax`, `.index` and
+  `.data` files (`has_files`). If no common number is complete, the newest
+  common one is returned all the same, so that the restore fails naming the
+  missing file instead of starting over (which would delete every host's
+  checkpoints).
+
+  Example::
+
+    found = newest_common(host_directories(base), "ckpt")
+    number, paths = found   # paths: directory -> that host's checkpoint
+
+  Args:
+    directories: Host id -> directory.
+    checkpoint_name: The checkpoints' name.
+
+  Returns:
+    (number, directory -> listed path), or None when the hosts have no
+    number in common.
+  """
+  listed = {d: listed_numbers(d, checkpoint_name) for d in directories.values()}
+  sets = [set(numbers) for numbers in listed.values()]
+  common = set.intersection(*sets) if sets else set()
+  every = set().union(*sets)
+  logging.info("Checked checkpoint directories %s: common numbers %s, "
+               "exclusive numbers %s", list(directories.values()), common,
+               every - common)
+  if not common:
+    return None
+  listing: dict[str, set[str]] = {}
+  for number in sorted(common, reverse=True):
+    missing = [d for d, numbers in listed.items()
+               if not has_files(numbers[number], listing)]
+    if not missing:
+      return number, {d: numbers[number] for d, numbers in listed.items()}
+    logging.warning("Checkpoint number %d is listed by every host, but files "
+                    "are missing in %s; trying older ones", number, missing)
+  number = max(common)
+  return number, {d: numbers[number] for d, numbers in listed.items()}
