@@ -566,6 +566,9 @@ class Bench:
     self.disk["dd_write_fdatasync_runs_mb_s"] = self.dd_writes
     if any(m != "save" for m in selected):
       self.prepare_source()
+      if cold_ok and any(m.endswith("_cold") for m in selected):
+        print("[bench] cold reads of the source .flax", file=sys.stderr)
+        self.disk.update(file_reads(_flax_file(self.src), self.args.runs))
     for kind in ("restore", "load"):
       for cold in (False, True):
         name = kind + ("_cold" if cold else "")
@@ -642,7 +645,7 @@ def dd_reads(directory: str, runs: int) -> dict:
   """Page-cache read (after a warm read), cold read where evictable, and dd
   write + fdatasync run back to back (each right after the previous one)."""
   path = os.path.join(directory, "ddtest")
-  cached, cold, back_to_back = [], [], []
+  cached, cold, direct, back_to_back = [], [], [], []
   try:
     _dd("if=/dev/zero", f"of={path}", "bs=1M", "count=1024", "conv=fdatasync")
     for _ in range(runs):
@@ -652,6 +655,7 @@ def dd_reads(directory: str, runs: int) -> dict:
       cached.append(_dd(f"if={path}", "of=/dev/null", "bs=1M"))
       if drop_page_cache([path]) <= 0.01:
         cold.append(_dd(f"if={path}", "of=/dev/null", "bs=1M"))
+      direct += _direct_read(path)
   finally:
     with contextlib.suppress(OSError):
       os.remove(path)
@@ -659,7 +663,43 @@ def dd_reads(directory: str, runs: int) -> dict:
              "dd_write_back_to_back_mb_s": statistics.median(back_to_back)}
   if len(cold) == runs:
     figures["cold_read_mb_s"] = statistics.median(cold)
+  if direct:
+    figures["direct_read_mb_s"] = statistics.median(direct)
   return figures
+
+
+def _direct_read(path: str) -> list[float]:
+  """`dd if=<path> of=/dev/null bs=16M iflag=direct` ([] where refused)."""
+  try:
+    return [_dd(f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct")]
+  except subprocess.CalledProcessError:
+    return []  # no O_DIRECT here (tmpfs)
+
+
+def file_reads(path: str, runs: int) -> dict:
+  """Cold sequential reads of `path` itself: dd through the page cache after
+  evicting it, and dd with O_DIRECT (the disk, no page cache)."""
+  cold, direct = [], []
+  for _ in range(runs):
+    if drop_page_cache([path]) <= 0.01:
+      cold.append(_dd(f"if={path}", "of=/dev/null", "bs=1M"))
+    direct += _direct_read(path)
+  figures = {}
+  if len(cold) == runs:
+    figures["source_cold_read_mb_s"] = statistics.median(cold)
+  if direct:
+    figures["source_direct_read_mb_s"] = statistics.median(direct)
+  return figures
+
+
+_SEQ_READS = ("cold_read_mb_s", "direct_read_mb_s", "source_cold_read_mb_s",
+              "source_direct_read_mb_s")
+
+
+def best_sequential_read(disk: dict) -> Optional[float]:
+  """The best of the disk's cold sequential read figures (MB/s), if any."""
+  figures = [disk[k] for k in _SEQ_READS if k in disk]
+  return max(figures) if figures else None
 
 
 def filesystem_type(path: str) -> str:
@@ -701,6 +741,7 @@ _SPEED_TARGETS = {"save": 3, "restore": 5, "restore_cold": 5, "load": 5,
                   "load_cold": 5, "e2e": 10}
 _SAVE_MEMORY_TARGET = 0.1
 _SAVE_DD_SHARE_TARGET = 0.7
+_COLD_READ_SHARE_TARGET = 0.8
 
 
 def _medians(runs: list[dict]) -> dict:
@@ -718,8 +759,8 @@ def _times(ratio: float) -> str:
   return f"{ratio:.2f}x" if ratio < 10 else f"{ratio:.0f}x"
 
 
-def _speed_rows(name: str, cand: dict, ref: dict,
-                state_bytes: int) -> list[list[str]]:
+def _speed_rows(name: str, cand: dict, ref: dict, state_bytes: int,
+                disk: dict) -> list[list[str]]:
   speedup = ref["time_s"] / cand["time_s"]
   goal = _SPEED_TARGETS.get(name)
   rows = [_row("time", f"{cand['time_s']:.3f} s", f"{ref['time_s']:.3f} s",
@@ -729,6 +770,14 @@ def _speed_rows(name: str, cand: dict, ref: dict,
     rows.append(_row("throughput (state bytes / time)",
                      f"{state_bytes / cand['time_s'] / MB:.0f} MB/s",
                      f"{state_bytes / ref['time_s'] / MB:.0f} MB/s"))
+    best = best_sequential_read(disk)
+    if name.endswith("_cold") and best:
+      share = state_bytes / cand["time_s"] / MB / best
+      rows.append(_row(
+          f"share of the disk's best sequential read ({best:.0f} MB/s)",
+          f"{share:.0%}", f"{state_bytes / ref['time_s'] / MB / best:.0%}",
+          "", f">= {_COLD_READ_SHARE_TARGET:.0%}",
+          share >= _COLD_READ_SHARE_TARGET))
     rows.append(_row("of which the call", f"{cand['call_s']:.3f} s",
                      f"{ref['call_s']:.3f} s",
                      _times(ref["call_s"] / cand["call_s"])))
@@ -784,7 +833,8 @@ def _table(bench: "Bench") -> list[list[str]]:
       continue
     else:
       cand, ref = _medians(per_lib[cand_name]), _medians(per_lib[ref_name])
-      rows = _speed_rows(name, cand, ref, bench.facts["state_bytes"])
+      rows = _speed_rows(name, cand, ref, bench.facts["state_bytes"],
+                         bench.disk)
       if name == "save":
         rows += _save_rows(cand, ref, bench.disk)
       rows += _memory_rows(name, cand, ref)
@@ -810,7 +860,14 @@ def _disk_line(disk: dict) -> str:
           f"{disk['dd_write_back_to_back_mb_s']:.0f} MB/s back to back; "
           f"page-cache read {disk['page_cache_read_mb_s']:.0f} MB/s; ")
   if "cold_read_mb_s" in disk:
-    line += f"cold read {disk['cold_read_mb_s']:.0f} MB/s."
+    line += f"cold read {disk['cold_read_mb_s']:.0f} MB/s"
+    reads = [f"{what} {disk[key]:.0f} MB/s" for key, what in (
+        ("direct_read_mb_s", "O_DIRECT read"),
+        ("source_cold_read_mb_s", "cold read of the restored .flax"),
+        ("source_direct_read_mb_s", "its O_DIRECT read")) if key in disk]
+    line += "".join(f", {r}" for r in reads)
+    line += (f"; best sequential read **{best_sequential_read(disk):.0f} "
+             "MB/s**.")
   else:
     line += "cold read: the page cache could not be dropped, no cold figures."
   return line + " (MB = 10^6 bytes.)"

@@ -307,7 +307,7 @@ class Checkpoint:
     """The checkpoints TensorFlow manages here, oldest first."""
     if self._tf_checkpoint_manager is not None:
       return self._tf_checkpoint_manager.checkpoints
-    state = storage.read_checkpoint_state(self.base_directory)
+    state = layout.read_checkpoint_state(self.base_directory)
     return state.managed_checkpoints() if state else []
 
   @property
@@ -320,7 +320,7 @@ class Checkpoint:
     """
     if self._tf_checkpoint_manager is not None:
       return self._tf_checkpoint_manager.latest_checkpoint
-    state = storage.read_checkpoint_state(self.base_directory)
+    state = layout.read_checkpoint_state(self.base_directory)
     return None if state is None else state.model_checkpoint_path
 
   @property
@@ -516,7 +516,7 @@ class Checkpoint:
     try:
       if not storage.exists(storage.join(self.base_directory, "checkpoint")):
         return False
-      state = storage.read_checkpoint_state(self.base_directory)
+      state = layout.read_checkpoint_state(self.base_directory)
     except Exception:  # pylint: disable=broad-except
       return None
     if state is None:

@@ -24,6 +24,12 @@ Synopsis::
   data = flax_format.save(state)                      # bytes, for small states
   state_dict = flax_format.load(data)
 
+  with flax_format.FlaxFile("/tmp/ckpt-1.flax") as f:  # parsed once, on use
+    f.tree, f.leaves, f.subtree("params"), f.nbytes
+
+  flax_format.dtype_name(np.dtype(">f4"))             # ">f4": the one codec
+  flax_format.dtype_from_name("bfloat16")             # (see flax_dtypes)
+
 Reading needs only numpy, msgpack and ml_dtypes; writing a plain tree of dicts,
 lists and arrays needs nothing more either. Flax is imported only to turn other
 objects (dataclasses, named tuples, registered types) into state dicts, with
@@ -60,6 +66,11 @@ import numpy as np
 
 from clu_ckpt import errors
 from clu_ckpt import storage
+# The one dtype codec (re-exported: `flax_format.dtype_name`, ...).
+from clu_ckpt.flax_dtypes import _DTYPE_CACHE  # pylint: disable=unused-import
+from clu_ckpt.flax_dtypes import _dtype_from_name  # pylint: disable=unused-import
+from clu_ckpt.flax_dtypes import dtype_from_name  # pylint: disable=unused-import
+from clu_ckpt.flax_dtypes import dtype_name  # pylint: disable=unused-import
 
 # Arrays larger than this many bytes are split into chunks (Flax's MAX_CHUNK_SIZE).
 CHUNK_BYTES = 2**30
@@ -496,6 +507,92 @@ def inspect(data: Any, name: Optional[str] = None) -> list[LeafInfo]:
   return _Reader(data, name, writable=False).leaves()
 
 
+class FlaxFile:
+  """An open `.flax` file: parsed once, its tree and leaves handed out.
+
+  The file is memory-mapped when opened; the first use of `tree`, `leaves`,
+  `subtree` or `nbytes` parses it once, in one pass that builds both the
+  state dict (as `load_file` returns it: arrays are read-only views of the
+  mapping, chunked arrays joined) and its `LeafInfo`s (as `inspect_file`
+  lists them). Memory and time are bounded as for `load`. Closing drops the
+  handle's references; the mapping is unmapped once no view is left.
+
+  Example::
+
+    with flax_format.FlaxFile("/ckpts/ckpt-7.flax") as f:
+      print(f.nbytes, [leaf.path for leaf in f.leaves])
+      step = f.subtree("step")
+      state = f.tree
+
+  Raises (on first use):
+    FileNotFoundError: The file does not exist (on opening).
+    FlaxFormatError: As `load_file` and `inspect_file`.
+  """
+
+  def __init__(self, path: str):
+    self.path = path
+    self._buffer: Any = _open(path)
+    self._parsed: Optional[tuple[Any, list[LeafInfo]]] = None
+
+  def __enter__(self) -> "FlaxFile":
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.close()
+
+  def close(self) -> None:
+    """Drops the handle's references to the mapping and the parsed tree."""
+    self._buffer = None
+    self._parsed = None
+
+  def _parse(self) -> tuple[Any, list[LeafInfo]]:
+    if self._parsed is None:
+      if self._buffer is None:
+        raise ValueError(f"{self.path}: FlaxFile is closed")
+      reader = _Reader(self._buffer, self.path, writable=False)
+      self._parsed = reader.tree_and_leaves()
+    return self._parsed
+
+  @property
+  def tree(self) -> Any:
+    """The state dict, as `load_file(path)` returns it (shared, read-only)."""
+    return self._parse()[0]
+
+  @property
+  def leaves(self) -> list[LeafInfo]:
+    """The leaves, as `inspect_file(path)` lists them."""
+    return self._parse()[1]
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of array data in the file (the sum of the leaves' nbytes)."""
+    return sum(leaf.nbytes for leaf in self.leaves)
+
+  def subtree(self, keys: Subtree) -> Any:
+    """A subtree of `tree`, as `load_file(path, subtree=keys)` returns it.
+
+    Raises:
+      FlaxFormatError: There is no such subtree.
+    """
+    node = self.tree
+    wanted = _subtree_keys(keys)
+    for depth, key in enumerate(wanted):
+      where = "/" + "/".join(wanted[:depth])
+      if not isinstance(node, dict):
+        raise FlaxFormatError(f"no subtree {'/'.join(wanted)!r}: {where} is "
+                              "not a map", self.path, 0)
+      if key not in node:
+        raise FlaxFormatError(f"no subtree {'/'.join(wanted)!r}: {where} has "
+                              f"no key {key!r}", self.path, 0)
+      node = node[key]
+    return node
+
+
+def open_file(path: str) -> FlaxFile:
+  """`FlaxFile(path)`: the file, mapped, to be parsed once on first use."""
+  return FlaxFile(path)
+
+
 def _open(path: str) -> Any:
   buffer = storage.map_file(path)
   if len(buffer) == 0:
@@ -653,6 +750,89 @@ class _Reader:
       value = self._value(0)
       self._expect_end()
     return _unchunk(value, self)
+
+  def tree_and_leaves(self) -> tuple[Any, list[LeafInfo]]:
+    """The state dict `root(())` returns and the LeafInfos `leaves()` does.
+
+    One pass: each value is decoded as `load` decodes it, and described as
+    `inspect` describes it on the way; both are charged to the one budget.
+    """
+    out: list[LeafInfo] = []
+    value = self._walk("", 0, out)
+    self._expect_end()
+    if self._deferred is not None:
+      raise self._deferred
+    return _unchunk(value, self), out
+
+  def _walk(self, path: str, depth: int, out: list) -> Any:
+    """`_value`, also appending the value's LeafInfos to `out`."""
+    if depth > MAX_DEPTH:
+      raise self.error(f"nesting deeper than {MAX_DEPTH} levels")
+    at = self._pos
+    kind, n, offset = self._header()
+    if kind == "map":
+      return self._walk_map(path, n, depth, offset, out)
+    if kind == "ext":
+      code = self._unpack(_I8)
+      start = self._take(n)
+      if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
+        shape, dtype, data_at, count = self._ndarray_parts(start, start + n,
+                                                           offset)
+        arr = self._ndarray_from(shape, dtype, data_at, count)
+        self._leaf(out, path, "ndarray" if code == _EXT_NDARRAY else
+                   "npscalar", self._dtype_name(dtype), shape,
+                   count * dtype.itemsize, data_at)
+        return self._array_value(code, arr, offset)
+      self._pos = at
+      value = self._value(depth)
+      self._leaf(out, path, "complex", None, None, 0, at)
+      return value
+    self._pos = at
+    value = self._value(depth)
+    self._leaf(out, path, _LEAF_KINDS[kind], None, None, 0, at)
+    return value
+
+  def _walk_map(self, path: str, n: int, depth: int, offset: int,
+                out: list) -> dict:
+    """A map's dict (as `_value`) and its leaves (as `_describe_map`)."""
+    self._check_count(n, 2)
+    self._charge(_COST_DICT)
+    deferred, self._deferred = self._deferred, None
+    first = len(out)
+    result: dict = {}
+    for _ in range(n):
+      key = self._key(depth)
+      child = self._child_path(path, key)
+      value = self._walk(child, depth + 1, out)
+      del child
+      size = len(result)
+      cost = _COST_DICT_ITEM if size else _COST_DICT_TABLE
+      self._charge(cost)
+      result[key] = value
+      if len(result) == size:  # a repeated key: the dict did not grow
+        self._left += cost
+    if _CHUNKED_KEY in result:
+      # One leaf, as `inspect` has it; `_unchunk` joins the chunks later.
+      del out[first:]
+      layout = _chunk_layout(result.get("shape"), result.get("chunks"),
+                             _array_info)
+      if isinstance(layout, str):
+        self._deferred = self.error(layout, offset)
+      else:
+        self._deferred = None
+        dims, parts = layout
+        self._leaf(out, path, "ndarray", self._dtype_name(parts[0].dtype),
+                   dims, sum(p.nbytes for p in parts), self._data_offset(
+                       parts[0]))
+    if deferred is not None:
+      self._deferred = deferred
+    return result
+
+  def _data_offset(self, arr: np.ndarray) -> int:
+    """The offset in the input of a view's first byte."""
+    base = np.frombuffer(self._view, np.uint8)
+    return (arr.__array_interface__["data"][0] -
+            base.__array_interface__["data"][0])
 
   def leaves(self) -> list[LeafInfo]:
     out: list[LeafInfo] = []
@@ -822,19 +1002,23 @@ class _Reader:
     start = self._take(n)
     if code in (_EXT_NDARRAY, _EXT_NPSCALAR):
       arr = self._ndarray(start, start + n, offset)
-      if code == _EXT_NDARRAY:
-        return arr
-      self._charge(_alloc(_COST_ARRAY + _COST_ARRAY_DIM * arr.ndim)
-                   if arr.ndim else _alloc(_COST_NPSCALAR + arr.nbytes))
-      try:
-        return arr[()]
-      except (SystemError, ValueError):
-        # numpy cannot make a str scalar of invalid code points.
-        raise self.error(f"numpy scalar of dtype {arr.dtype} holds invalid "
-                         "data (code points)", offset) from None
+      return self._array_value(code, arr, offset)
     if code == _EXT_COMPLEX:
       return self._complex(start, start + n, offset)
     raise self.error(f"unknown msgpack ext type {code}", offset)
+
+  def _array_value(self, code: int, arr: np.ndarray, offset: int) -> Any:
+    """What an ndarray (code 1) or numpy scalar (code 3) ext decodes to."""
+    if code == _EXT_NDARRAY:
+      return arr
+    self._charge(_alloc(_COST_ARRAY + _COST_ARRAY_DIM * arr.ndim)
+                 if arr.ndim else _alloc(_COST_NPSCALAR + arr.nbytes))
+    try:
+      return arr[()]
+    except (SystemError, ValueError):
+      # numpy cannot make a str scalar of invalid code points.
+      raise self.error(f"numpy scalar of dtype {arr.dtype} holds invalid "
+                       "data (code points)", offset) from None
 
   def _within(self, start: int, end: int) -> int:
     """Confines parsing to [start, end); returns the end to restore."""
@@ -912,7 +1096,10 @@ class _Reader:
     return tuple(shape), dtype, data_start, count
 
   def _ndarray(self, start: int, end: int, offset: int) -> np.ndarray:
-    shape, dtype, data_start, count = self._ndarray_parts(start, end, offset)
+    return self._ndarray_from(*self._ndarray_parts(start, end, offset))
+
+  def _ndarray_from(self, shape: tuple, dtype: np.dtype, data_start: int,
+                    count: int) -> np.ndarray:
     view = _alloc(_COST_ARRAY + _COST_ARRAY_DIM * len(shape))
     self._charge(view)
     arr = np.ndarray(shape, dtype, buffer=self._buf, offset=data_start)
@@ -1234,54 +1421,3 @@ def _join_chunks(value: dict, reader: _Reader) -> np.ndarray:
   view = _alloc(_COST_ARRAY + _COST_ARRAY_DIM * len(shape))
   reader._charge(2 * view + _alloc(sum(p.nbytes for p in parts)))  # pylint: disable=protected-access
   return np.concatenate(parts).reshape(shape)
-
-
-_DTYPE_CACHE: dict[bytes, Optional[np.dtype]] = {}
-# The cache holds at most this many names (hostile files may hold many).
-_DTYPE_CACHE_SIZE = 256
-
-
-def _dtype_from_name(raw: bytes) -> Optional[np.dtype]:
-  """numpy dtype for a Flax dtype name (`dtype.name`), or None.
-
-  Handles the ml_dtypes names (bfloat16, float8_*, int4, ...) and the names
-  numpy gives flexible dtypes ("str128", "bytes8") but cannot parse back.
-  """
-  if raw in _DTYPE_CACHE:
-    return _DTYPE_CACHE[raw]
-  dtype = None
-  try:
-    name = raw.decode("ascii")
-  except UnicodeDecodeError:
-    name = ""
-  if name and len(name) <= 32 and all(c.isalnum() or c in "_[]" for c in name):
-    try:
-      dtype = _parse_dtype_name(name)
-    except (TypeError, ValueError, OverflowError):
-      dtype = None
-  # Only names that parse are cached (hostile ones stay out), and only so
-  # many (a file may name a million distinct void or str dtypes).
-  if dtype is not None and len(_DTYPE_CACHE) < _DTYPE_CACHE_SIZE:
-    _DTYPE_CACHE[raw] = dtype
-  return dtype
-
-
-def _parse_dtype_name(name: str) -> Optional[np.dtype]:
-  for prefix, code, bits in (("str", "U", 32), ("bytes", "S", 8),
-                             ("void", "V", 8)):
-    if name.startswith(prefix) and name[len(prefix):].isdigit():
-      size = int(name[len(prefix):])
-      return np.dtype(f"{code}{size // bits}") if size % bits == 0 else None
-  try:
-    return np.dtype(name)
-  except TypeError:
-    pass
-  try:
-    import ml_dtypes  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return None
-  kind = getattr(ml_dtypes, name, None)
-  try:
-    return np.dtype(kind) if isinstance(kind, type) else None
-  except TypeError:
-    return None

@@ -52,17 +52,17 @@ def read_state(directory: str, problems: list) -> Optional[Any]:
       file and for each listed checkpoint outside `directory`.
 
   Returns:
-    The `storage.CheckpointState` with only the entries inside `directory`
+    The `layout.CheckpointState` with only the entries inside `directory`
     (`model_checkpoint_path` is None when the latest is elsewhere), or None.
   """
   try:
-    state = storage.read_checkpoint_state(directory, strict=True)
+    state = layout.read_checkpoint_state(directory, strict=True)
   except (OSError, ValueError) as e:
     problems.append(str(e))
     return None
   if state is None:
     return None
-  state_file = storage.join(directory, storage.STATE_FILENAME)
+  state_file = storage.join(directory, layout.STATE_FILENAME)
   inside = []
   for path in dict.fromkeys(state.all_model_checkpoint_paths +
                             [state.model_checkpoint_path]):
@@ -363,7 +363,7 @@ def verify_path(path: str) -> dict[str, Any]:
     for prefix in sorted(listed):
       if not storage.exists(prefix + ".flax"):
         problems.append(f"{prefix}.flax: missing for a checkpoint listed in "
-                        f"{storage.join(directory, storage.STATE_FILENAME)}")
+                        f"{storage.join(directory, layout.STATE_FILENAME)}")
       elif not storage.exists(prefix + ".index"):
         problems.append(f"{prefix}.index: missing (TensorFlow files of a "
                         "committed checkpoint)")

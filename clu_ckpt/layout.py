@@ -11,9 +11,9 @@ name only: digits in a parent directory's name never count). It also owns the
 other rules of the layout that clu defines: which `<base>-<int>` directories
 are a `MultihostCheckpoint`'s hosts and which number they have in common,
 when a checkpoint's files are complete, what a killed save leaves behind, and
-whether a path is a checkpoint directory or a multihost base. Every other
-module asks here; none re-derives these rules. TensorFlow's `checkpoint` file
-itself is parsed by `clu_ckpt.state_file`.
+whether a path is a checkpoint directory or a multihost base, and (through
+`clu_ckpt.state_file`, re-exported here) what TensorFlow's `checkpoint` file
+says. Every other module asks here; none re-derives these rules.
 
 Synopsis::
 
@@ -38,6 +38,7 @@ from typing import Mapping, Optional
 from absl import logging
 
 from clu_ckpt import errors
+from clu_ckpt import state_file
 from clu_ckpt import storage
 
 _SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)",
@@ -45,7 +46,10 @@ _SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+://)?(?P<path>.*)",
 _CHECKPOINT_RE = re.compile(r"(?P<name>.*)-(?P<number>\d+)", re.S)
 # A numbered `.flax` file in a directory listing.
 FLAX_NAME_RE = re.compile(r"^(?P<name>.+)-(?P<number>\d+)\.flax$", re.S)
-STATE_FILENAME = "checkpoint"
+# TensorFlow's state file, parsed by `clu_ckpt.state_file`; asked through here.
+STATE_FILENAME = state_file.STATE_FILENAME
+CheckpointState = state_file.CheckpointState
+read_checkpoint_state = state_file.read_checkpoint_state
 
 
 OutsideDirectoryError = errors.OutsideDirectoryError
@@ -320,7 +324,7 @@ def listed_numbers(directory: str, checkpoint_name: str,
     The numbers, each with the path as listed.
   """
   if state is None:
-    state = storage.read_checkpoint_state(directory)
+    state = read_checkpoint_state(directory)
   paths = state.managed_checkpoints() if state else []
   numbers = {}
   for path in paths:

@@ -23,6 +23,7 @@ import collections
 import datetime
 import json
 import os
+import re
 from typing import Optional
 
 from clu_ckpt import errors
@@ -38,7 +39,9 @@ def _iso(t: float) -> str:
 
 
 _ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
-_ORBAX_TMP = ".orbax-checkpoint-tmp"
+ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
+_COMMIT_SUCCESS = "commit_success.txt"
+_STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
 
 
 def is_orbax_root(path: str) -> bool:
@@ -47,21 +50,42 @@ def is_orbax_root(path: str) -> bool:
     return False
   for name in storage.listdir(path):
     step = name.split(".", 1)[0]
-    if step.isdigit() and (name == step or _ORBAX_TMP in name) and (
+    if step.isdigit() and (name == step or ORBAX_TMP_MARKER in name) and (
         storage.isdir(storage.join(path, name))):
       return True
   return False
 
 
 def list_steps(root: str) -> tuple[list[int], list[str]]:
-  """(finished step numbers, names of unfinished temporary step dirs)."""
+  """(finished steps, names of unfinished step directories) under `root`.
+
+  The steps are those a default `orbax.checkpoint.CheckpointManager(root)`
+  lists (`standard_name_format().find_all`): directories named by a step
+  number without leading zeros, not being written (no `.orbax-checkpoint-tmp` in
+  their name; on `gs://` roots, holding `commit_success.txt`). Orbax is not
+  imported.
+
+  Args:
+    root: An Orbax root directory (a missing one has no steps).
+
+  Returns:
+    (sorted step numbers, sorted names of temporary or uncommitted entries).
+  """
+  if not storage.exists(root) or not storage.isdir(root):
+    return [], []
+  remote = root.startswith("gs://")
   steps, partial = [], []
   for name in storage.listdir(root):
-    if name.isdigit() and storage.isdir(storage.join(root, name)):
-      steps.append(int(name))
-    elif _ORBAX_TMP in name:
+    name = name.rstrip("/")
+    if ORBAX_TMP_MARKER in name:
       partial.append(name)
-  return sorted(steps), partial
+    elif _STEP_NAME.match(name) and storage.isdir(storage.join(root, name)):
+      if remote and not storage.exists(storage.join(root, name,
+                                                    _COMMIT_SUCCESS)):
+        partial.append(name)
+      else:
+        steps.append(int(name))
+  return sorted(steps), sorted(partial)
 
 
 def _read_json(path: str) -> Optional[dict]:

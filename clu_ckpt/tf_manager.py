@@ -100,7 +100,7 @@ def new_manager(tf_checkpoint: Any, directory: str, *, max_to_keep: int,
     errors.PrivateApiError: This TensorFlow lacks what is used here.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  state_file = storage.join(directory, storage.STATE_FILENAME)
+  state_file = storage.join(directory, layout.STATE_FILENAME)
   try:
     storage.check_regular_file(state_file)
   except FileNotFoundError:
@@ -147,7 +147,7 @@ def unlist(manager: Any, directory: str, checkpoints: Sequence[str],
     # file's last_preserved_timestamp, e.g. written under a clock ahead of
     # this one): it stays listed and unmanaged, as a fresh manager sees it.
     managed[current] = manager._last_preserved_timestamp
-  state_file = storage.join(directory, storage.STATE_FILENAME)
+  state_file = storage.join(directory, layout.STATE_FILENAME)
   if not managed:
     # Saving without restoring starts over at number 1: nothing to list.
     manager._latest_checkpoint = None

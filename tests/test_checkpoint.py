@@ -1007,7 +1007,7 @@ def test_failure_after_the_commit_keeps_the_checkpoint(tmp_path, monkeypatch):
   def unreadable(directory):
     raise OSError(errno.EMFILE, "Too many open files", directory)
 
-  monkeypatch.setattr(checkpoint.storage, "read_checkpoint_state", unreadable)
+  monkeypatch.setattr(checkpoint.layout, "read_checkpoint_state", unreadable)
   with pytest.raises(OSError, match="nor read"):
     ck.save({"step": 3})
   monkeypatch.undo()

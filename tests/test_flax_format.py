@@ -304,6 +304,33 @@ def _check_inspect(path: Path, full: Any,
       assert info.kind == _KINDS[type(value)], info
       assert (info.dtype, info.shape, info.nbytes) == (None, None, 0), info
       _assert_same(_decode_at(data, info.offset), value, where=info.path)
+  _check_handle(path)
+
+
+def _check_handle(path: Path) -> None:
+  """FlaxFile(path) gives load_file's tree and inspect_file's leaves.
+
+  It parses once, so it fails when either of them does (with the error of
+  the first problem in the file), and may fail on memory where each alone
+  fits (it holds both the tree and the leaves).
+  """
+  outcomes = []
+  for read in (flax_format.load_file, flax_format.inspect_file):
+    try:
+      outcomes.append(read(str(path)))
+    except FlaxFormatError:
+      outcomes.append(_REJECTED)
+  rejected = any(o is _REJECTED for o in outcomes)
+  try:
+    with flax_format.FlaxFile(str(path)) as handle:
+      tree, leaves = handle.tree, handle.leaves
+  except FlaxFormatError as e:
+    _check_error(e, path.stat().st_size, str(path))
+    assert rejected or "bytes of memory" in str(e), str(e)
+    return
+  assert not rejected, "FlaxFile accepted rejected bytes"
+  _assert_same(tree, outcomes[0])
+  assert leaves == outcomes[1]
 
 
 def _check_error(err: FlaxFormatError, size: int,
@@ -347,6 +374,7 @@ def _assert_rejected(data: bytes, directory: Optional[Path] = None, *,
         _check_error(e, len(data), str(path))
       else:
         assert not inspect_rejects, "inspect_file accepted bad bytes"
+      _check_handle(path)
   return caught.value
 
 
@@ -374,6 +402,7 @@ def _check_untrusted(data: bytes, path: Path) -> None:
     flax_format.inspect_file(str(path))
   except FlaxFormatError as e:
     _check_error(e, len(data), str(path))
+  _check_handle(path)
   if got is _REJECTED:
     return
   try:
@@ -1842,3 +1871,111 @@ def test_str_array_with_invalid_code_points_round_trips():
   assert data == serialization.to_bytes({"s": arr})
   loaded = flax_format.load(data)["s"]
   assert loaded.dtype == arr.dtype and loaded.tobytes() == arr.tobytes()
+
+
+# --------------------------------------------------------------------------
+# FlaxFile: one handle, one parse.
+# --------------------------------------------------------------------------
+
+
+def test_flax_file_hands_out_tree_leaves_and_subtrees(tmp_path, monkeypatch):
+  state = _rich_state()
+  path = tmp_path / "ckpt-1.flax"
+  flax_format.save_file(state, str(path))
+  parses = []
+  init = flax_format._Reader.__init__  # pylint: disable=protected-access
+
+  def counting(self, *args, **kwargs):
+    parses.append(args[1])
+    init(self, *args, **kwargs)
+
+  want_tree = flax_format.load_file(str(path))
+  want_leaves = flax_format.inspect_file(str(path))
+  monkeypatch.setattr(flax_format._Reader, "__init__", counting)  # pylint: disable=protected-access
+  with flax_format.open_file(str(path)) as handle:
+    assert parses == []  # parsed on first use
+    _assert_same(handle.tree, want_tree)
+    assert handle.leaves == want_leaves
+    assert handle.nbytes == sum(leaf.nbytes for leaf in want_leaves)
+    for keys in _key_paths(want_tree):
+      _assert_same(handle.subtree(keys), _get(want_tree, keys))
+      _assert_same(handle.subtree("/".join(keys)), _get(want_tree, keys))
+    with pytest.raises(FlaxFormatError, match="no subtree"):
+      handle.subtree("nope")
+    leaf = next(p for p in _key_paths(want_tree)
+                if not isinstance(_get(want_tree, p), dict))
+    with pytest.raises(FlaxFormatError, match="is not a map"):
+      handle.subtree(leaf + ("below",))
+    arrays = [v for _, v in _leaves(handle.tree) if isinstance(v, np.ndarray)]
+    assert arrays and not any(a.flags.writeable for a in arrays)
+  assert parses == [str(path)]
+  with pytest.raises(ValueError, match="closed"):
+    handle.tree  # pylint: disable=pointless-statement
+
+
+def test_flax_file_missing_empty_and_corrupt_files(tmp_path):
+  with pytest.raises(FileNotFoundError):
+    flax_format.FlaxFile(str(tmp_path / "missing.flax"))
+  (tmp_path / "empty.flax").write_bytes(b"")
+  with pytest.raises(FlaxFormatError, match="empty"):
+    flax_format.FlaxFile(str(tmp_path / "empty.flax"))
+  data = flax_format.save(_rich_state())
+  (tmp_path / "cut.flax").write_bytes(data[:-3])
+  handle = flax_format.FlaxFile(str(tmp_path / "cut.flax"))
+  with pytest.raises(FlaxFormatError, match="truncated"):
+    handle.leaves  # pylint: disable=pointless-statement
+
+
+def test_flax_file_chunked_arrays_are_one_leaf_and_joined(tmp_path,
+                                                          monkeypatch):
+  monkeypatch.setattr(flax_format, "CHUNK_BYTES", 64)
+  state = {"big": np.arange(100, dtype=np.float32).reshape(10, 10),
+           "small": {"x": np.arange(3, dtype=np.int8)}}
+  path = tmp_path / "chunked.flax"
+  flax_format.save_file(state, str(path))
+  with flax_format.FlaxFile(str(path)) as handle:
+    assert handle.leaves == flax_format.inspect_file(str(path))
+    assert [(l.path, l.shape, l.nbytes) for l in handle.leaves] == [
+        ("/big", (10, 10), 400), ("/small/x", (3,), 3)]
+    _assert_same(handle.tree, state)
+  _check_handle(path)
+
+
+# --------------------------------------------------------------------------
+# The dtype codec.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype", [d for d in _ALL_DTYPES if d.fields is None], ids=str)
+def test_dtype_codec_round_trips_every_dtype(dtype):
+  assert flax_format.dtype_from_name(flax_format.dtype_name(dtype)) == dtype
+  # What `.flax` files hold (dtype.name), as str and as bytes.
+  assert flax_format.dtype_from_name(dtype.name) == dtype
+  assert flax_format.dtype_from_name(dtype.name.encode()) == dtype
+  if not dtype.type.__module__.startswith("ml_dtypes"):
+    # What migrated steps recorded: `.str` forms.
+    assert flax_format.dtype_name(dtype) == dtype.str
+    assert flax_format.dtype_from_name(dtype.str) == dtype
+
+
+def test_dtype_codec_keeps_byte_order_and_odd_dtypes():
+  for name in (">i8", ">f4", "<M8[s]", "|V4", "<U3", "|S2", "|b1"):
+    dtype = np.dtype(name)
+    assert flax_format.dtype_name(dtype) == name
+    assert flax_format.dtype_from_name(name) == dtype
+  assert flax_format.dtype_from_name("bfloat16") == np.dtype(ml_dtypes.bfloat16)
+  assert flax_format.dtype_name(ml_dtypes.int4) == "int4"
+
+
+@pytest.mark.parametrize("name", ["", "nope", "<", "float32 ", "<f4\x00",
+                                  "x" * 40, b"\xff"])
+def test_dtype_codec_refuses_unknown_names(name):
+  with pytest.raises(ValueError, match="unknown dtype"):
+    flax_format.dtype_from_name(name)
+
+
+def test_private_dtype_alias_still_reads_flax_names():
+  assert flax_format._dtype_from_name(b"float32") == np.float32  # pylint: disable=protected-access
+  assert flax_format._dtype_from_name(b"str128") == np.dtype("U4")  # pylint: disable=protected-access
+  assert flax_format._dtype_from_name(b"nope") is None  # pylint: disable=protected-access

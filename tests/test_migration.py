@@ -5,7 +5,6 @@ here by the real `clu.checkpoint`; results are read back with stock
 `orbax.checkpoint.CheckpointManager`.
 """
 
-import asyncio
 import json
 import os
 import subprocess
@@ -514,34 +513,6 @@ def test_many_arrays_through_a_small_budget(tmp_path):
                               verify=True)
   assert summary.ok, summary.failed
   assert sum(e.nbytes for e in events if e.event == "bytes") == 24 * 2**20
-
-
-def _peak_admitted(limit, sizes):
-  """Runs jobs of `sizes` bytes through a budget; returns the most at once."""
-
-  async def scenario():
-    budget = migration._ByteBudget(limit)  # pylint: disable=protected-access
-    active, peak = [0], [0]
-
-    async def job(n):
-      await budget.acquire(n)
-      active[0] += n
-      peak[0] = max(peak[0], active[0])
-      await asyncio.sleep(0.001)
-      active[0] -= n
-      await budget.release(n)
-
-    await asyncio.gather(*(job(n) for n in sizes))
-    return peak[0]
-
-  return asyncio.run(scenario())
-
-
-def test_byte_budget_admits_at_most_the_limit():
-  assert 8 <= _peak_admitted(10, [4, 4, 4, 3, 2, 6, 5]) <= 10
-  assert _peak_admitted(10, [3] * 8) == 9
-  # A job larger than the limit runs, alone.
-  assert _peak_admitted(10, [4, 25, 4]) == 25
 
 
 # --------------------------------------------------------------------------

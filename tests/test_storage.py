@@ -32,6 +32,8 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
 
+from clu_ckpt import local_fs
+from clu_ckpt import state_file
 from clu_ckpt import storage
 
 WEIRD_NAMES = [
@@ -58,7 +60,7 @@ def manager(directory: str, name: str = "ckpt",
       max_to_keep=max_to_keep, checkpoint_name=name)
 
 
-def assert_same_as_tf(directory: str) -> Optional[storage.CheckpointState]:
+def assert_same_as_tf(directory: str) -> Optional[state_file.CheckpointState]:
   """read_checkpoint_state(directory) equals tf.train.get_checkpoint_state.
 
   Where TensorFlow gives None, strict mode must raise CheckpointStateError;
@@ -77,17 +79,17 @@ def assert_same_as_tf(directory: str) -> Optional[storage.CheckpointState]:
       for strict in (False, True):
         with pytest.raises(storage.CheckpointStateError,
                            match="Invalid checkpoint state"):
-          storage.read_checkpoint_state(directory, strict=strict)
+          state_file.read_checkpoint_state(directory, strict=strict)
       return None
-    ours = storage.read_checkpoint_state(directory)
+    ours = state_file.read_checkpoint_state(directory)
     if theirs is None:
       assert ours is None
       if storage.exists(storage.join(directory, "checkpoint")):
         with pytest.raises(storage.CheckpointStateError) as raised:
-          storage.read_checkpoint_state(directory, strict=True)
+          state_file.read_checkpoint_state(directory, strict=True)
         assert raised.value.path == storage.join(directory, "checkpoint")
       return None
-    assert repr(storage.read_checkpoint_state(directory, strict=True)) == (
+    assert repr(state_file.read_checkpoint_state(directory, strict=True)) == (
         repr(ours))
   assert ours is not None
   assert ours.model_checkpoint_path == theirs.model_checkpoint_path
@@ -248,20 +250,20 @@ def test_garbled_state_file_is_none(tmp_path, text):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     assert tf.train.get_checkpoint_state(str(tmp_path)) is None
-  assert storage.read_checkpoint_state(str(tmp_path)) is None
+  assert state_file.read_checkpoint_state(str(tmp_path)) is None
   with pytest.raises(storage.CheckpointStateError,
                      match=r"checkpoint: cannot parse: line \d+, column \d+"):
-    storage.read_checkpoint_state(str(tmp_path), strict=True)
+    state_file.read_checkpoint_state(str(tmp_path), strict=True)
 
 
 def test_binary_state_file_is_none(tmp_path):
   (tmp_path / "checkpoint").write_bytes(b"\x00\xff\xfe\x80garbage")
-  assert storage.read_checkpoint_state(str(tmp_path)) is None
+  assert state_file.read_checkpoint_state(str(tmp_path)) is None
 
 
 def test_missing_state_file_is_none(tmp_path):
-  assert storage.read_checkpoint_state(str(tmp_path)) is None
-  assert storage.read_checkpoint_state(str(tmp_path / "absent")) is None
+  assert state_file.read_checkpoint_state(str(tmp_path)) is None
+  assert state_file.read_checkpoint_state(str(tmp_path / "absent")) is None
   assert tf.train.get_checkpoint_state(str(tmp_path)) is None
 
 
@@ -272,7 +274,7 @@ def test_state_without_latest_raises_like_tf(tmp_path, text):
   with pytest.raises(ValueError):
     tf.train.get_checkpoint_state(str(tmp_path))
   with pytest.raises(ValueError, match="Invalid checkpoint state"):
-    storage.read_checkpoint_state(str(tmp_path))
+    state_file.read_checkpoint_state(str(tmp_path))
 
 
 def test_file_url_directory(tmp_path):
@@ -346,12 +348,12 @@ def test_random_state_files_parse_as_tf(tmp_path):
 
 def test_long_escaped_strings_parse_as_tf(tmp_path, monkeypatch):
   # Long strings are unescaped with numpy, in chunks: small odd ones here.
-  monkeypatch.setattr(storage, "_CHUNK", 4099)
+  monkeypatch.setattr(state_file, "_CHUNK", 4099)
   atoms = [a for a in FUZZ_ATOMS[:23] if a not in ("\\u005c", "\\xFf")]
   rng = random.Random(7)
   for i in range(12):
     body = "".join(rng.choices(atoms, k=20_000))
-    assert len(body) > storage._VECTOR_MIN
+    assert len(body) > state_file._VECTOR_MIN
     write_state(tmp_path / str(i), f'model_checkpoint_path: "{body}"\n'
                 f"all_model_checkpoint_paths: ['{body}', 'x{body}']\n")
     state = assert_same_as_tf(str(tmp_path / str(i)))
@@ -366,41 +368,41 @@ def test_strict_names_the_problem(tmp_path):
   path = str(tmp_path / "checkpoint")
   (tmp_path / "checkpoint").write_bytes(
       b'model_checkpoint_path: "caf\xc3\xa9\xff"\n')
-  assert storage.read_checkpoint_state(str(tmp_path)) is None
+  assert state_file.read_checkpoint_state(str(tmp_path)) is None
   with pytest.raises(storage.CheckpointStateError) as raised:
-    storage.read_checkpoint_state(str(tmp_path), strict=True)
+    state_file.read_checkpoint_state(str(tmp_path), strict=True)
   assert raised.value.path == path
   assert str(raised.value) == (
       f"checkpoint state file {path}: not UTF-8 at byte 29")
   assert isinstance(raised.value.__cause__, UnicodeDecodeError)
   write_state(tmp_path, 'model_checkpoint_path: "a"\n\n  bogus: 1\n')
   with pytest.raises(storage.CheckpointStateError) as raised:
-    storage.read_checkpoint_state(str(tmp_path), strict=True)
+    state_file.read_checkpoint_state(str(tmp_path), strict=True)
   assert str(raised.value) == (
       f"checkpoint state file {path}: cannot parse: line 3, column 3: "
       "unknown field 'bogus'")
   assert isinstance(raised.value, ValueError)
   # Missing: None in both modes.
-  assert storage.read_checkpoint_state(str(tmp_path / "no"),
+  assert state_file.read_checkpoint_state(str(tmp_path / "no"),
                                        strict=True) is None
   (tmp_path / "d").mkdir()
   (tmp_path / "d" / "checkpoint").symlink_to(tmp_path / "d" / "gone")
-  assert storage.read_checkpoint_state(str(tmp_path / "d"), strict=True) is None
+  assert state_file.read_checkpoint_state(str(tmp_path / "d"), strict=True) is None
   (tmp_path / "f").write_text("a file, not a directory")
-  assert storage.read_checkpoint_state(str(tmp_path / "f"), strict=True) is None
+  assert state_file.read_checkpoint_state(str(tmp_path / "f"), strict=True) is None
 
 
 def test_size_and_entry_limits(tmp_path, monkeypatch):
   text = state_text([f"c-{i}" for i in range(5)], [1.0] * 5, 0.5)
   write_state(tmp_path, text)
-  monkeypatch.setattr(storage, "MAX_STATE_FILE_BYTES", len(text))
-  monkeypatch.setattr(storage, "MAX_STATE_ENTRIES", 10)
-  assert len(storage.read_checkpoint_state(str(tmp_path)).managed_checkpoints(
+  monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", len(text))
+  monkeypatch.setattr(state_file, "MAX_STATE_ENTRIES", 10)
+  assert len(state_file.read_checkpoint_state(str(tmp_path)).managed_checkpoints(
       now=2.0)) == 5
   write_state(tmp_path, text + " ")
   with pytest.raises(storage.CheckpointStateError, match="over the limit"):
-    storage.read_checkpoint_state(str(tmp_path))
-  monkeypatch.setattr(storage, "MAX_STATE_FILE_BYTES", 2**22)
+    state_file.read_checkpoint_state(str(tmp_path))
+  monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", 2**22)
   for extra in ("all_model_checkpoint_timestamps: 2\n",
                 'all_model_checkpoint_paths: ["x", "y"]\n',
                 "all_model_checkpoint_timestamps: [" + "1," * 2000 + "1]\n"):
@@ -408,9 +410,9 @@ def test_size_and_entry_limits(tmp_path, monkeypatch):
     for strict in (False, True):
       with pytest.raises(storage.CheckpointStateError,
                          match="more than 10 paths and timestamps"):
-        storage.read_checkpoint_state(str(tmp_path), strict=strict)
+        state_file.read_checkpoint_state(str(tmp_path), strict=strict)
   write_state(tmp_path, 'model_checkpoint_path: "a"\n' * 100_000)
-  assert storage.read_checkpoint_state(str(tmp_path)).model_checkpoint_path == (
+  assert state_file.read_checkpoint_state(str(tmp_path)).model_checkpoint_path == (
       f"{tmp_path}/a")  # singular fields do not count
 
 
@@ -443,7 +445,7 @@ def test_managed_checkpoints_equal_tf(tmp_path, stamps, last_preserved):
 
 def test_managed_checkpoints_now_argument(tmp_path):
   write_state(tmp_path, state_text(["a-1", "a-2"], [100.0, 200.0], 50.0))
-  state = storage.read_checkpoint_state(str(tmp_path))
+  state = state_file.read_checkpoint_state(str(tmp_path))
   both = [f"{tmp_path}/a-1", f"{tmp_path}/a-2"]
   assert state.managed_checkpoints(now=1000.0) == both
   assert state.managed_checkpoints(now=150.0) == both  # min(t, now) > 50
@@ -604,9 +606,9 @@ def test_small_helpers(tmp_path):
 
 
 @pytest.mark.parametrize("sizes", [
-    [0], [1], [storage._STAGE_BYTES - 1], [storage._STAGE_BYTES],
-    [storage._STAGE_BYTES + 1], [3, storage._STAGE_BYTES * 2 + 5, 7],
-    [storage._STAGE_BYTES - 3, 5, storage._STAGE_BYTES, 1],
+    [0], [1], [local_fs._STAGE_BYTES - 1], [local_fs._STAGE_BYTES],
+    [local_fs._STAGE_BYTES + 1], [3, local_fs._STAGE_BYTES * 2 + 5, 7],
+    [local_fs._STAGE_BYTES - 3, 5, local_fs._STAGE_BYTES, 1],
 ])
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])
 def test_atomic_writer_stream_is_exact(tmp_path, sizes, where):
@@ -640,6 +642,8 @@ CHILD_PRELUDE = """
 import json, os, resource, sys, time
 # Reading /dev/zero (or a huge file) to the end fails here, not the machine.
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+from clu_ckpt import local_fs
+from clu_ckpt import state_file
 from clu_ckpt import storage
 
 def attempt(call):
@@ -702,8 +706,8 @@ def test_hostile_file_is_refused_at_once(tmp_path, kind):
         map_file_url=lambda: storage.map_file("file://" + path),
         read_bytes=lambda: storage.read_bytes(path),
         check_regular_file=lambda: storage.check_regular_file(path),
-        state=lambda: storage.read_checkpoint_state(directory),
-        strict_state=lambda: storage.read_checkpoint_state(
+        state=lambda: state_file.read_checkpoint_state(directory),
+        strict_state=lambda: state_file.read_checkpoint_state(
             directory, strict=True),
         sync=lambda: storage.sync(path),
         stat=lambda: storage.stat(path)[0],
@@ -741,7 +745,7 @@ def test_file_swapped_for_a_fifo_after_the_check_is_refused(tmp_path):
     os.stat = lambda path, *args, **kwargs: real_stat(regular)  # the race
     print(json.dumps([attempt(lambda: storage.read_bytes(fifo)),
                       attempt(lambda: storage.map_file(fifo)),
-                      attempt(lambda: storage.read_checkpoint_state(
+                      attempt(lambda: state_file.read_checkpoint_state(
                           os.path.dirname(fifo) + "/swap"))]))
   """, str(tmp_path / "regular"), str(tmp_path / "fifo"))
   os.rename(tmp_path / "fifo", tmp_path / "unused")
@@ -753,17 +757,17 @@ def test_file_swapped_for_a_fifo_after_the_check_is_refused(tmp_path):
 
 def test_state_file_over_the_size_limit_is_never_read(tmp_path):
   with open(tmp_path / "checkpoint", "wb") as f:
-    f.truncate(64 * storage.MAX_STATE_FILE_BYTES)  # sparse: 8 GiB of zeros
+    f.truncate(64 * state_file.MAX_STATE_FILE_BYTES)  # sparse: 8 GiB of zeros
   out = run_child("""
-    print(json.dumps([attempt(lambda: storage.read_checkpoint_state(
+    print(json.dumps([attempt(lambda: state_file.read_checkpoint_state(
         sys.argv[1], strict=strict)) for strict in (False, True)]))
   """, str(tmp_path))
   for outcome in out:
     assert outcome["error"] == "CheckpointStateError", outcome
     assert outcome["message"] == (
         f"checkpoint state file {tmp_path}/checkpoint: "
-        f"{64 * storage.MAX_STATE_FILE_BYTES} bytes, over the limit of "
-        f"{storage.MAX_STATE_FILE_BYTES} (storage.MAX_STATE_FILE_BYTES)")
+        f"{64 * state_file.MAX_STATE_FILE_BYTES} bytes, over the limit of "
+        f"{state_file.MAX_STATE_FILE_BYTES} (state_file.MAX_STATE_FILE_BYTES)")
     assert outcome["seconds"] < 1
 
 
@@ -774,7 +778,7 @@ def test_symlinks_to_regular_files_are_read(tmp_path):
   (tmp_path / "link").mkdir()
   (tmp_path / "link" / "checkpoint").symlink_to("../real/checkpoint")
   (tmp_path / "link" / "data").symlink_to("../real/data")
-  assert storage.read_checkpoint_state(
+  assert state_file.read_checkpoint_state(
       str(tmp_path / "link")).model_checkpoint_path == f"{tmp_path}/link/ckpt-1"
   assert storage.read_bytes(str(tmp_path / "link" / "data")) == b"12345"
   assert bytes(storage.map_file(str(tmp_path / "link" / "data"))) == b"12345"
@@ -829,10 +833,10 @@ def test_big_state_file_parses_in_linear_time(tmp_path, case):
       with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
     before = peak()
-    outcome = attempt(lambda: storage.read_checkpoint_state(
+    outcome = attempt(lambda: state_file.read_checkpoint_state(
         sys.argv[1], strict=True))
     outcome["peak_extra_kib"] = peak() - before
-    state = storage.read_checkpoint_state(sys.argv[1])
+    state = state_file.read_checkpoint_state(sys.argv[1])
     paths = [p[len(sys.argv[1]) + 1:] for p in state.all_model_checkpoint_paths]
     outcome["paths"] = len(paths)
     outcome["lengths"] = sorted({len(p) for p in paths})

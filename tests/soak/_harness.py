@@ -291,7 +291,7 @@ KILL_POINTS = [
     KillPoint("flax_write", f"c:os.write{_SAVE_FILE}", 1, False),
     KillPoint("flax_write", f"c:os.fsync{_SAVE_FILE}", 2, False),
     KillPoint("flax_write", f"c:os.replace{_SAVE_FILE}", 1, False),
-    KillPoint("flax_write", "py:clu_ckpt.storage:fsync_directory"
+    KillPoint("flax_write", "py:clu_ckpt.local_fs:fsync_directory"
               f"{_SAVE_FILE}", 1, False),
     # The .flax is in place; TensorFlow has not committed.
     KillPoint("flax_to_tf_commit", f"py:{_TFCM}:CheckpointManager.save", 1,
@@ -410,8 +410,8 @@ def _verify_listed(ckpt, template: dict, it, base, host: int,
                    max_to_keep: int) -> dict[str, Any]:
   """Restores every listed checkpoint, oldest first, then the latest."""
   from clu_ckpt import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
-  state_file = storage.read_checkpoint_state(ckpt.base_directory)
+  from clu_ckpt import state_file as state_file_lib  # pylint: disable=g-import-not-at-top
+  state_file = state_file_lib.read_checkpoint_state(ckpt.base_directory)
   listed = ([ckpt_lib.CheckpointInfo.from_path(p).number
              for p in state_file.managed_checkpoints()] if state_file else [])
   if listed and listed != list(range(listed[0], listed[-1] + 1)):

@@ -1,0 +1,82 @@
+"""Migrates CLU checkpoint directories into Orbax CheckpointManager layouts.
+
+Every kept CLU checkpoint (`ckpt-N.flax` plus TensorFlow's `ckpt-N.index` and
+`ckpt-N.data-*`) becomes one Orbax step directory that stock
+`orbax.checkpoint.CheckpointManager` reads, with three items:
+
+- `state`: the Flax state dict, arrays in TensorStore (OCDBT, zstd by
+  default), written by Orbax's `PyTreeCheckpointHandler`.
+- `dataset`: every host's TensorFlow checkpoint bytes (the tf.data iterator);
+  see `clu_ckpt.orbax_items`. Absent when the checkpoint has no `tf_state`.
+- `metadata`: JSON: source, CLU checkpoint number, hosts, clu_ckpt version,
+  step mapping and a summary of every leaf.
+
+Synopsis::
+
+  from clu_ckpt import migration
+
+  summary = migration.migrate("/runs/a/checkpoints", "/runs/a/orbax")
+  for step in summary.steps:
+    print(step.number, "->", step.step, step.status)
+
+  import orbax.checkpoint as ocp
+  mngr = ocp.CheckpointManager("/runs/a/orbax")
+  restored = mngr.restore(mngr.latest_step())        # stock Orbax, no args
+  state = migration.restore_state("/runs/a/orbax")   # exact Flax state dict
+
+Arrays are fed to Orbax as views of the memory-mapped `.flax` file and
+written a bounded number of bytes at a time, so memory stays small whatever
+the checkpoint size. Each step is written under a temporary name and renamed
+when complete (Orbax's own atomic save), so an interrupted migration leaves
+no partial step, and re-running it skips the steps already there.
+
+The package's modules, each owning one part:
+
+- `plan`: the source (discover, select, state_step, name_steps, dataset).
+- `codec`: stand-ins for leaves Orbax cannot hold (encode/decode_state).
+- `orbax_target`: the destination seam (`Target`) and `OrbaxTarget`, its one
+  implementation; the only user of a private Orbax API; `list_steps`.
+- `verify`: comparing a step with its source, and hosts with each other.
+- `run`: `migrate`, its results, `restore_state`.
+"""
+
+from clu_ckpt.migration.codec import decode_state
+from clu_ckpt.migration.codec import encode_state
+from clu_ckpt.migration.orbax_target import DATASET_ITEM
+from clu_ckpt.migration.orbax_target import DEFAULT_INFLIGHT_BYTES
+from clu_ckpt.migration.orbax_target import list_steps
+from clu_ckpt.migration.orbax_target import METADATA_ITEM
+from clu_ckpt.migration.orbax_target import OrbaxTarget
+from clu_ckpt.migration.orbax_target import read_metadata
+from clu_ckpt.migration.orbax_target import STATE_ITEM
+from clu_ckpt.migration.orbax_target import Target
+from clu_ckpt.migration.plan import discover
+from clu_ckpt.migration.plan import name_steps
+from clu_ckpt.migration.plan import Selection
+from clu_ckpt.migration.plan import select
+from clu_ckpt.migration.plan import Source
+from clu_ckpt.migration.plan import SourceCheckpoint
+from clu_ckpt.migration.plan import state_step
+from clu_ckpt.migration.plan import STEP_NAMINGS
+from clu_ckpt.migration.run import COMPRESSIONS
+from clu_ckpt.migration.run import describe_error
+from clu_ckpt.migration.run import FORMAT
+from clu_ckpt.migration.run import migrate
+from clu_ckpt.migration.run import MigrationError
+from clu_ckpt.migration.run import MigrationSummary
+from clu_ckpt.migration.run import Progress
+from clu_ckpt.migration.run import ProgressFn
+from clu_ckpt.migration.run import restore_state
+from clu_ckpt.migration.run import StepResult
+from clu_ckpt.migration.verify import same_leaf
+from clu_ckpt.migration.verify import verify_step
+
+__all__ = [
+    "COMPRESSIONS", "DATASET_ITEM", "DEFAULT_INFLIGHT_BYTES", "FORMAT",
+    "METADATA_ITEM", "MigrationError", "MigrationSummary", "OrbaxTarget",
+    "Progress", "ProgressFn", "STATE_ITEM", "STEP_NAMINGS", "Selection",
+    "Source", "SourceCheckpoint", "StepResult", "Target", "decode_state",
+    "describe_error", "discover", "encode_state", "list_steps", "migrate",
+    "name_steps", "read_metadata", "restore_state", "same_leaf", "select",
+    "state_step", "verify_step",
+]

@@ -1,0 +1,294 @@
+"""The source side of a migration: which CLU checkpoints, under which steps.
+
+`discover` finds a CLU `Checkpoint` or `MultihostCheckpoint` directory's kept
+checkpoints on every host; `select` picks some; `state_step` reads a state's
+own `step` and `name_steps` chooses every checkpoint's Orbax step;
+`dataset_tree` reads every host's TensorFlow files as the `dataset` item.
+
+Synopsis::
+
+  from clu_ckpt.migration import plan
+
+  src = plan.discover("/runs/a/checkpoints")
+  chosen = plan.select(src, "latest")
+  steps = {c.number: plan.state_step(c.flax_path(0)) for c in chosen}
+  naming, mapping = plan.name_steps(chosen, steps)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from clu_ckpt import errors
+from clu_ckpt import flax_format
+from clu_ckpt import layout
+from clu_ckpt import storage
+
+STEP_NAMINGS = ("auto", "state", "number")
+
+MigrationError = errors.MigrationError
+
+
+# --------------------------------------------------------------------------
+# The source.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceCheckpoint:
+  """One CLU checkpoint number, as found on every host.
+
+  Attributes:
+    number: The checkpoint number.
+    prefixes: Host id -> checkpoint prefix (`<dir>/ckpt-<number>`).
+  """
+  number: int
+  prefixes: Mapping[int, str]
+
+  @property
+  def name(self) -> str:
+    return os.path.basename(next(iter(self.prefixes.values())))
+
+  def flax_path(self, host: int) -> str:
+    return f"{self.prefixes[host]}.flax"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """A CLU checkpoint base directory, as `discover` found it.
+
+  Attributes:
+    path: The base directory (normalized).
+    kind: "Checkpoint" or "MultihostCheckpoint".
+    host_directories: Host id -> directory.
+    checkpoints: Checkpoints kept on every host, oldest first.
+    not_on_all_hosts: Numbers kept on some hosts only.
+  """
+  path: str
+  kind: str
+  host_directories: Mapping[int, str]
+  checkpoints: list[SourceCheckpoint]
+  not_on_all_hosts: list[int]
+
+
+def discover(source: str) -> Source:
+  """Finds the checkpoints of a CLU `Checkpoint` or `MultihostCheckpoint`.
+
+  Args:
+    source: A `Checkpoint` base directory (holding TF's `checkpoint` file), or
+      a `MultihostCheckpoint` base (`<source>-<host_id>` directories).
+
+  Returns:
+    The source and its checkpoints.
+
+  Raises:
+    MigrationError: No CLU checkpoint is found there.
+  """
+  path = normalize(source)
+  if storage.exists(storage.join(path, layout.STATE_FILENAME)):
+    kind, directories = "Checkpoint", {0: path}
+  else:
+    kind, directories = "MultihostCheckpoint", (
+        layout.host_directories(path))
+    if not directories:
+      raise MigrationError(
+          f"{path}: no CLU checkpoint here (no `checkpoint` file, and no "
+          f"`{os.path.basename(path)}-<host_id>` directories beside it)")
+  kept = {host: _kept_checkpoints(d) for host, d in directories.items()}
+  common = set.intersection(*(set(k) for k in kept.values()))
+  every = set().union(*(set(k) for k in kept.values()))
+  checkpoints = [
+      SourceCheckpoint(n, {host: kept[host][n] for host in sorted(kept)})
+      for n in sorted(common)]
+  return Source(path, kind, dict(sorted(directories.items())), checkpoints,
+                sorted(every - common))
+
+
+def normalize(path: str) -> str:
+  """Normalized, and absolute when local (the metadata records sources)."""
+  path = layout.normpath(path)
+  return os.path.abspath(path) if storage.is_local(path) else path
+
+
+def _kept_checkpoints(directory: str) -> dict[int, str]:
+  """Checkpoint number -> prefix, for what TF's `checkpoint` file keeps.
+
+  Raises:
+    MigrationError: The `checkpoint` file cannot be read or parsed, lists a
+      checkpoint outside `directory`, or a file of a kept checkpoint leads
+      outside `directory` (a symlink) or is not a regular file.
+  """
+  try:
+    state = layout.read_checkpoint_state(directory, strict=True)
+  except (OSError, ValueError) as e:
+    raise MigrationError(str(e)) from None
+  if state is None:
+    return {}
+  paths = list(state.managed_checkpoints())
+  if state.model_checkpoint_path not in paths:
+    paths.append(state.model_checkpoint_path)
+  names = storage.listdir(directory)
+  kept = {}
+  for path in paths:
+    try:
+      layout.check_inside(directory, path)
+    except layout.OutsideDirectoryError as e:
+      raise MigrationError(
+          f"{storage.join(directory, layout.STATE_FILENAME)}: {e}") from None
+    parts = layout.split_checkpoint(path)
+    if parts is None:
+      continue
+    stem = os.path.basename(path)
+    for name in names:
+      if name.startswith(f"{stem}.") and (
+          name in (f"{stem}.flax", f"{stem}.index") or
+          name.startswith(f"{stem}.data-")):
+        try:
+          layout.check_inside(directory, storage.join(directory, name))
+          storage.check_regular_file(storage.join(directory, name))
+        except (OSError, ValueError) as e:
+          raise MigrationError(str(e)) from None
+    kept[parts[1]] = layout.normpath(path)
+  return kept
+
+
+# --------------------------------------------------------------------------
+# Planning: which checkpoints, under which steps.
+# --------------------------------------------------------------------------
+
+
+Selection = Union[str, int, Sequence[int]]
+
+
+def select(source: Source, checkpoints: Selection = "all"
+           ) -> list[SourceCheckpoint]:
+  """Picks checkpoints: "all" kept, "latest", or given checkpoint numbers.
+
+  Args:
+    source: What `discover` found.
+    checkpoints: "all", "latest", a number or a sequence of numbers.
+
+  Returns:
+    The chosen checkpoints, oldest first.
+
+  Raises:
+    MigrationError: A requested number is not available on every host, or
+      the selection is malformed.
+  """
+  available = {c.number: c for c in source.checkpoints}
+  if checkpoints == "all":
+    return list(source.checkpoints)
+  if checkpoints == "latest":
+    return source.checkpoints[-1:]
+  if isinstance(checkpoints, str):
+    raise MigrationError(f"unknown checkpoint selection {checkpoints!r}: use "
+                         "'all', 'latest' or checkpoint numbers")
+  numbers = [checkpoints] if isinstance(checkpoints, int) else checkpoints
+  missing = sorted(set(int(n) for n in numbers) - set(available))
+  if missing:
+    raise MigrationError(
+        f"{source.path}: checkpoint number(s) {missing} not available on every "
+        f"host; available: {sorted(available)}")
+  return [available[n] for n in sorted(set(int(n) for n in numbers))]
+
+
+def state_step(source: Union[str, flax_format.FlaxFile]) -> Optional[int]:
+  """The integer top-level `step` of a `.flax` file, or None.
+
+  Args:
+    source: A `.flax` file, or its open handle (which parses it once, for
+      whatever else the handle is used for).
+
+  Returns:
+    The value of `state["step"]` when it is a (numpy or python) integer.
+
+  Raises:
+    FlaxFormatError: The file is corrupt.
+  """
+  if isinstance(source, str):
+    with flax_format.FlaxFile(source) as handle:
+      return state_step(handle)
+  leaf = next((l for l in source.leaves if l.path == "/step"), None)
+  if leaf is None or leaf.kind not in ("int", "ndarray", "npscalar"):
+    return None
+  if leaf.kind != "int" and (leaf.shape != () or
+                             np.dtype(leaf.dtype).kind not in "iu"):
+    return None
+  return int(source.subtree("step"))
+
+
+def name_steps(checkpoints: Sequence[SourceCheckpoint],
+               steps: Mapping[int, Optional[int]],
+               step_naming: str = "auto") -> tuple[str, dict[int, int]]:
+  """Chooses the Orbax step of every checkpoint.
+
+  The state's own `step` is used when every checkpoint has a non-negative
+  integer one and they increase with the checkpoint number; otherwise the
+  CLU checkpoint number.
+
+  Args:
+    checkpoints: The checkpoints to migrate, oldest first.
+    steps: Checkpoint number -> the state's `step` (None when it has none).
+    step_naming: "auto", "state" (require the state's step) or "number".
+
+  Returns:
+    ("state" or "number", checkpoint number -> step).
+
+  Raises:
+    MigrationError: "state" was asked for but cannot be used.
+  """
+  if step_naming not in STEP_NAMINGS:
+    raise MigrationError(f"unknown step naming {step_naming!r}; use one of "
+                         f"{', '.join(STEP_NAMINGS)}")
+  numbers = [c.number for c in checkpoints]
+  if step_naming == "number":
+    return "number", {n: n for n in numbers}
+  problem = _state_steps_problem(numbers, steps)
+  if problem is None:
+    return "state", {n: int(steps[n]) for n in numbers}
+  if step_naming == "state":
+    raise MigrationError(f"cannot name steps by the state's `step`: {problem}")
+  return "number", {n: n for n in numbers}
+
+
+def _state_steps_problem(numbers: Sequence[int],
+                         steps: Mapping[int, Optional[int]]) -> Optional[str]:
+  previous = None
+  for n in numbers:
+    value = steps.get(n)
+    if value is None:
+      return f"checkpoint {n} has no integer top-level `step`"
+    if value < 0:
+      return f"checkpoint {n} has a negative step {value}"
+    if previous is not None and value <= previous[1]:
+      return (f"steps do not increase with checkpoint numbers (checkpoint "
+              f"{previous[0]}: step {previous[1]}, checkpoint {n}: step "
+              f"{value})")
+    previous = (n, value)
+  return None
+
+
+
+# --------------------------------------------------------------------------
+# The TensorFlow side: the `dataset` item.
+# --------------------------------------------------------------------------
+
+
+def dataset_tree(ckpt: SourceCheckpoint
+                  ) -> tuple[Optional[dict[str, Any]], list[str]]:
+  """The `dataset` item of a checkpoint (None without tf_state)."""
+  from clu_ckpt import orbax_items  # pylint: disable=g-import-not-at-top
+  tree, names = {}, set()
+  for host, prefix in ckpt.prefixes.items():
+    if not storage.exists(f"{prefix}.index"):
+      continue
+    files = orbax_items.read_tf_files(prefix)
+    names.update(orbax_items.tf_state_names(prefix, check=True))
+    tree[orbax_items.process_key(host)] = files
+  if not names:
+    return None, []
+  return tree, sorted(names)

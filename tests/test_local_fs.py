@@ -1,0 +1,203 @@
+"""Tests for the file-system seam: `storage.filesystem`, `LocalFileSystem`.
+
+The seam must pick back ends by URL scheme in one place, accept a new back
+end for an object store (no rename, ranged reads, commit by upload) without
+any caller changing, and keep the local fast paths (memory maps with
+read-ahead advice, atomic writes).
+"""
+
+import contextlib
+import fnmatch
+import mmap
+import os
+from typing import Optional
+
+import pytest
+
+from clu_ckpt import gfile_fs
+from clu_ckpt import local_fs
+from clu_ckpt import state_file
+from clu_ckpt import storage
+
+
+class MemoryObjectStore(storage.FileSystem):
+  """An object store in a dict: no directories, no rename, commit by upload."""
+
+  def __init__(self):
+    self.objects: dict[str, bytes] = {}
+    self.reads: list[tuple[str, int, Optional[int]]] = []
+
+  def exists(self, path: str) -> bool:
+    return path in self.objects or self.isdir(path)
+
+  def isdir(self, path: str) -> bool:
+    prefix = path.rstrip("/") + "/"
+    return any(k.startswith(prefix) for k in self.objects)
+
+  def listdir(self, path: str) -> list[str]:
+    prefix = path.rstrip("/") + "/"
+    return sorted({k[len(prefix):].split("/")[0] for k in self.objects
+                   if k.startswith(prefix)})
+
+  def glob(self, pattern: str) -> list[str]:
+    return sorted(k for k in self.objects if fnmatch.fnmatchcase(k, pattern))
+
+  def makedirs(self, path: str) -> None:
+    pass
+
+  def remove(self, path: str) -> None:
+    self.objects.pop(path, None)
+
+  def remove_tree(self, path: str) -> None:
+    for k in [k for k in self.objects if k.startswith(path.rstrip("/") + "/")]:
+      del self.objects[k]
+
+  def stat(self, path: str) -> tuple[int, float]:
+    if path not in self.objects:
+      raise FileNotFoundError(path)
+    return len(self.objects[path]), 0.0
+
+  def read_bytes(self, path: str, offset: int = 0,
+                 length: Optional[int] = None) -> bytes:
+    self.reads.append((path, offset, length))
+    if path not in self.objects:
+      raise FileNotFoundError(path)
+    data = self.objects[path]
+    return data[offset:] if length is None else data[offset:offset + length]
+
+  @contextlib.contextmanager
+  def atomic_writer(self, path: str):
+    pieces = []
+    yield lambda data: pieces.append(bytes(data))
+    self.objects[path] = b"".join(pieces)  # the upload: all or nothing
+
+
+@pytest.fixture
+def memory_store(monkeypatch):
+  store = MemoryObjectStore()
+  monkeypatch.setattr(storage, "_FACTORIES", dict(storage._FACTORIES))
+  monkeypatch.setattr(storage, "_INSTANCES", {})
+  storage.register_filesystem("mem", lambda: store)
+  return store
+
+
+def test_back_ends_are_chosen_by_scheme(tmp_path):
+  assert isinstance(storage.filesystem(str(tmp_path)), local_fs.LocalFileSystem)
+  assert isinstance(storage.filesystem("relative/x"), local_fs.LocalFileSystem)
+  assert isinstance(storage.filesystem(f"FILE://{tmp_path}"),
+                    local_fs.LocalFileSystem)
+  for url in ("gs://bucket/x", "ram://x", "s3://bucket/x"):
+    assert isinstance(storage.filesystem(url), gfile_fs.GFileFileSystem)
+  assert storage.filesystem("/a") is storage.filesystem("/b")  # shared
+
+
+def test_registered_object_store_serves_every_function(memory_store):
+  with storage.atomic_writer("mem://b/d/ckpt-1.flax") as write:
+    write(b"head")
+    write(memoryview(b"-body"))
+  assert memory_store.objects == {"mem://b/d/ckpt-1.flax": b"head-body"}
+  assert storage.exists("mem://b/d/ckpt-1.flax")
+  assert storage.isdir("mem://b/d") and not storage.isdir("mem://b/x")
+  assert storage.listdir("mem://b/d") == ["ckpt-1.flax"]
+  assert storage.glob("mem://b/d/*.flax") == ["mem://b/d/ckpt-1.flax"]
+  assert storage.stat("mem://b/d/ckpt-1.flax")[0] == 9
+  assert storage.read_bytes("mem://b/d/ckpt-1.flax") == b"head-body"
+  assert bytes(storage.map_file("mem://b/d/ckpt-1.flax")) == b"head-body"
+  with pytest.raises(FileNotFoundError):
+    storage.map_file("mem://b/d/absent")
+  storage.check_regular_file("mem://b/d/ckpt-1.flax")  # default: no check
+  storage.sync("mem://b/d/ckpt-1.flax")  # default: no-op
+  with pytest.raises(NotImplementedError):
+    storage.filesystem("mem://b").rename("mem://b/d/ckpt-1.flax", "mem://b/e")
+  storage.remove("mem://b/d/ckpt-1.flax")
+  storage.remove("mem://b/d/ckpt-1.flax")  # already gone: not an error
+  assert not storage.exists("mem://b/d/ckpt-1.flax")
+
+
+def test_failed_upload_publishes_nothing(memory_store):
+  with pytest.raises(RuntimeError):
+    with storage.atomic_writer("mem://b/x") as write:
+      write(b"partial")
+      raise RuntimeError("interrupted")
+  assert not memory_store.objects
+
+
+def test_state_file_is_read_through_the_seam(memory_store):
+  memory_store.objects["mem://b/d/checkpoint"] = (
+      b'model_checkpoint_path: "ckpt-2"\n'
+      b'all_model_checkpoint_paths: "ckpt-1"\n'
+      b'all_model_checkpoint_paths: "ckpt-2"\n')
+  state = state_file.read_checkpoint_state("mem://b/d")
+  assert state.model_checkpoint_path == "mem://b/d/ckpt-2"
+  assert state.all_model_checkpoint_paths == ["mem://b/d/ckpt-1",
+                                              "mem://b/d/ckpt-2"]
+  # One ranged read, bounded by the size limit.
+  assert memory_store.reads == [("mem://b/d/checkpoint", 0,
+                                 state_file.MAX_STATE_FILE_BYTES + 1)]
+  assert state_file.read_checkpoint_state("mem://b/absent") is None
+
+
+def test_local_ranged_reads_and_rename(tmp_path):
+  fs = local_fs.LocalFileSystem()
+  (tmp_path / "a").write_bytes(b"0123456789")
+  assert fs.read_bytes(str(tmp_path / "a")) == b"0123456789"
+  assert fs.read_bytes(str(tmp_path / "a"), 3) == b"3456789"
+  assert fs.read_bytes(f"file://{tmp_path}/a", 3, 4) == b"3456"
+  assert fs.read_bytes(str(tmp_path / "a"), 8, 100) == b"89"
+  fs.rename(str(tmp_path / "a"), f"file://{tmp_path}/b")
+  assert (tmp_path / "b").read_bytes() == b"0123456789"
+  assert not (tmp_path / "a").exists()
+
+
+def test_local_map_is_advised_and_reads_everything(tmp_path, monkeypatch):
+  advised = []
+  real_advise = local_fs._advise
+  monkeypatch.setattr(local_fs, "_advise",
+                      lambda buffer: advised.append(len(buffer)) or
+                      real_advise(buffer))
+  data = os.urandom(3 * mmap.PAGESIZE + 5)
+  (tmp_path / "f").write_bytes(data)
+  mapped = storage.map_file(str(tmp_path / "f"))
+  assert isinstance(mapped, mmap.mmap)
+  assert bytes(mapped) == data
+  assert advised == [len(data)]
+  assert storage.map_file(str(tmp_path / "f"))[-5:] == data[-5:]
+
+
+@pytest.mark.parametrize("share", [0, 0.25])
+def test_local_map_survives_advice_the_kernel_refuses(tmp_path, monkeypatch,
+                                                      share):
+  monkeypatch.setattr(local_fs, "_MADV_POPULATE_READ", 12345)  # unknown
+  monkeypatch.setattr(local_fs, "_POPULATE_MAX_SHARE", share)
+  (tmp_path / "f").write_bytes(b"abc")
+  assert bytes(storage.map_file(str(tmp_path / "f"))) == b"abc"
+
+
+def test_storage_delegates_to_the_back_end(tmp_path, monkeypatch):
+  calls = []
+
+  class Recording(local_fs.LocalFileSystem):
+
+    def remove(self, path: str) -> None:
+      calls.append(path)
+      super().remove(path)
+
+  monkeypatch.setattr(storage, "_INSTANCES", {"": Recording()})
+  (tmp_path / "x").write_bytes(b"")
+  storage.remove(str(tmp_path / "x"))
+  assert calls == [str(tmp_path / "x")] and not (tmp_path / "x").exists()
+
+
+def test_gfile_back_end_ranged_read_and_rename():
+  tf = pytest.importorskip("tensorflow")
+  fs = gfile_fs.GFileFileSystem()
+  base = f"ram://clu_ckpt_gfile_fs_{os.getpid()}"
+  fs.makedirs(base)
+  with fs.atomic_writer(f"{base}/a") as write:
+    write(b"0123456789")
+  assert fs.read_bytes(f"{base}/a", 2, 3) == b"234"
+  fs.rename(f"{base}/a", f"{base}/b")
+  assert fs.read_bytes(f"{base}/b") == b"0123456789"
+  assert not fs.exists(f"{base}/a")
+  fs.remove_tree(base)
+  assert not tf.io.gfile.exists(base)
