@@ -170,12 +170,14 @@ def _orbax_leaves(step_dir: str) -> list[dict]:
 def _leaf_bytes(leaf: dict) -> int:
   if leaf.get("shape") is None or leaf.get("dtype") is None:
     return 0
-  dtype = flax_format._dtype_from_name(  # pylint: disable=protected-access
-      str(leaf["dtype"]).encode())
+  try:
+    dtype = flax_format.dtype_from_name(str(leaf["dtype"]))
+  except (TypeError, ValueError):
+    return 0
   count = 1
   for dim in leaf["shape"]:
     count *= int(dim)
-  return 0 if dtype is None else count * dtype.itemsize
+  return count * dtype.itemsize
 
 
 def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
