@@ -644,7 +644,10 @@ class Checkpoint:
     Args:
       state: Template for the returned state, or None for a dict.
       checkpoint: The checkpoint (`<base_directory>/ckpt-N`); default latest
-        (for `MultihostCheckpoint`, the newest that every host has).
+        (for `MultihostCheckpoint`, the newest that every host has). As in
+        clu and TensorFlow, a path is read wherever it points, also when it
+        (or the latest in TensorFlow's `checkpoint` file) is an absolute path
+        outside `base_directory`; saves still write only inside it.
 
     Returns:
       The restored state. The TensorFlow objects in `tf_state` are restored
