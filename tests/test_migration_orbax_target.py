@@ -232,3 +232,16 @@ def test_handles_beyond_the_kept_limit_are_reopened(tmp_path, parses,
   assert summary.ok and [s.step for s in summary.steps] == [1, 2, 3]
   counts = [parses[str(src / f"ckpt-{n}.flax")] for n in (1, 2, 3)]
   assert counts == [1, 2, 2]
+
+
+def test_remove_partial_unlinks_a_symlink_and_spares_its_target(tmp_path):
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "keep").write_text("x")
+  root = tmp_path / "root"
+  (root / "3.orbax-checkpoint-tmp-1").mkdir(parents=True)
+  (root / "3.orbax-checkpoint-tmp-1" / "part").write_text("x")
+  os.symlink(outside, root / "3.orbax-checkpoint-tmp-2")
+  orbax_target.OrbaxTarget(str(root)).remove_partial(3)
+  assert sorted(os.listdir(root)) == []
+  assert (outside / "keep").read_text() == "x"

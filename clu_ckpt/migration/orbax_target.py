@@ -177,11 +177,12 @@ class OrbaxTarget(Target):
       checkpointer.close()
 
   def remove_partial(self, step: int) -> None:
-    from etils import epath  # pylint: disable=g-import-not-at-top
-    root = epath.Path(self.root)
-    if root.exists():
-      for path in root.glob(f"{step}{ORBAX_TMP_MARKER}*"):
-        path.rmtree()
+    # Through the storage seam: an entry that is a symlink is unlinked, its
+    # target never touched.
+    if storage.isdir(self.root):
+      prefix = storage.glob_escape(storage.join(self.root, str(step)))
+      for path in storage.glob(f"{prefix}{ORBAX_TMP_MARKER}*"):
+        storage.remove_tree(path)
 
   def read_metadata(self, step: int) -> dict[str, Any]:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
