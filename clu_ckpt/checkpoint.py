@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import operator
-import os
 import re
 import time
 from typing import Any, Dict, Optional, Sequence, TypeVar, Union
@@ -47,6 +46,7 @@ from absl import logging
 from clu_ckpt import flax_format
 from clu_ckpt import errors
 from clu_ckpt import layout
+from clu_ckpt import save_protocol
 from clu_ckpt import storage
 from clu_ckpt import tf_manager
 
@@ -170,24 +170,18 @@ class Checkpoint:
 
   `number` starts at 1 and grows by one per save. The `.flax` file is written
   first (temporary name, fsync, rename), then TensorFlow commits the checkpoint
-  by rewriting `checkpoint`: a `.flax` without that commit (a crash in
-  between) is not a checkpoint; it is ignored and later overwritten. Only the
-  newest `max_to_keep` checkpoints are kept; the `.flax` of a pruned one is
-  removed with its TensorFlow files. A checkpoint's files are deleted only
-  once `checkpoint` no longer lists it, so a process killed at any point
-  leaves every listed checkpoint whole. These are the files `clu.checkpoint`
-  writes, byte for byte, and each library restores the other's.
+  by rewriting `checkpoint`; only the newest `max_to_keep` checkpoints are
+  kept, `.flax` included. A process killed at any point leaves every listed
+  checkpoint whole (see `clu_ckpt.save_protocol`). These are the files
+  `clu.checkpoint` writes, byte for byte, and each library restores the other's.
 
-  The directory's content is not trusted. Whatever TensorFlow's `checkpoint`
-  file lists, a save writes only `{base_directory}/{checkpoint_name}-{number}`
-  and deletes only checkpoints directly inside `base_directory`: listed
-  paths that lead elsewhere (absolute paths, `..`) are left alone, with a
-  warning naming them, and never reach TensorFlow's pruning. Symlinks found
-  where the new checkpoint's files go are removed, not written through.
-  Restoring follows TensorFlow's semantics, as clu does: `latest_checkpoint`
-  (and a `checkpoint` argument) is read wherever it points, absolute paths
-  included. Files that are not regular files (a named pipe, a device) are
-  refused with an error instead of being read.
+  The directory's content is not trusted (docs/CONTRACTS.md, "Threat
+  model"): a save writes only `{base_directory}/{checkpoint_name}-{number}`
+  and deletes only checkpoints directly inside `base_directory`; listed paths
+  elsewhere (absolute, `..`) are left alone with a warning, and symlinks where
+  the new files go are removed, not written through. Restoring reads
+  `latest_checkpoint` (or a `checkpoint` argument) wherever it points, as clu
+  does. Files that are not regular (a named pipe, a device) are refused.
 
   Attributes:
     base_directory: The normalized directory.
@@ -196,12 +190,9 @@ class Checkpoint:
     restored_from: The checkpoint last restored, or None.
   """
 
-  def __init__(self,
-               base_directory: str,
-               tf_state: Optional[Dict[str, Any]] = None,
-               *,
-               max_to_keep: int = 5,
-               checkpoint_name: str = "ckpt"):
+  def __init__(self, base_directory: str,
+               tf_state: Optional[Dict[str, Any]] = None, *,
+               max_to_keep: int = 5, checkpoint_name: str = "ckpt"):
     """Initializes a Checkpoint with a dictionary of TensorFlow Trackables.
 
     Args:
@@ -267,6 +258,10 @@ class Checkpoint:
     return tf_manager.new_manager(
         self._tf_checkpoint, self.base_directory,
         max_to_keep=self.max_to_keep, checkpoint_name=self.checkpoint_name)
+
+  def _reread_manager(self) -> None:
+    """Replaces the manager with one read from disk (after a failed save)."""
+    self._tf_checkpoint_manager = self._new_manager()
 
   def _current_number(self) -> int:
     if self._tf_checkpoint is not None:
@@ -362,55 +357,6 @@ class Checkpoint:
 
   # -- saving -------------------------------------------------------------------
 
-  def _delete_future_checkpoints(self) -> None:
-    """Removes every checkpoint after the current one.
-
-    They exist after restoring an older checkpoint than the newest (a host
-    that re-joins its peers after a preemption), or as the leftovers of a save
-    that died before its commit. They leave TensorFlow's `checkpoint` file
-    first (one atomic rewrite), their files after that: a crash in between
-    leaves files nobody lists, never a listed checkpoint without its files.
-    (clu deletes the files first and keeps listing them.) Only this
-    directory's own checkpoints (`{checkpoint_name}-{number}` inside
-    `base_directory`) are removed; listed entries elsewhere are left alone.
-    """
-    files = layout.checkpoint_files
-    future = {}
-    number = self._current_number()
-    while True:
-      number += 1
-      checkpoint = self._numbered(number)
-      paths = files(checkpoint)
-      if not paths:
-        break
-      future[checkpoint] = paths
-    # Listed ones after a gap in the numbers (or without files) go too, if
-    # they are this directory's (`_new_manager` keeps only those managed).
-    number = self._current_number()
-    manager = self.tf_checkpoint_manager
-    for listed in manager.checkpoints + [manager.latest_checkpoint]:
-      if not listed or listed in future:
-        continue
-      if not layout.is_contained(self.base_directory, listed):
-        logging.warning("The latest checkpoint %s is outside %s: it is left "
-                        "alone", listed, self.base_directory)
-        continue
-      listed_number = layout.checkpoint_number(listed, self.checkpoint_name)
-      if listed_number is not None and listed_number > number:
-        future[listed] = files(listed)
-    if not future:
-      return
-    number = self._current_number()
-    tf_manager.unlist(self.tf_checkpoint_manager, self.base_directory,
-                      list(future), self._numbered(number) if number else None)
-    for paths in future.values():
-      for path in paths:
-        logging.info("Cleaning up future checkpoint file '%s'", path)
-        if path.endswith("_temp"):
-          storage.remove_tree(path)
-        else:
-          storage.remove(path)
-
   def save(self, state: Any) -> str:
     """Saves `state` (and `tf_state`) as a new checkpoint.
 
@@ -418,11 +364,10 @@ class Checkpoint:
     overwrites the next number and deletes every newer checkpoint: with
     checkpoints 1, 2, 3, restoring 1 and saving writes a new 2 and deletes 3.
     This is how a preempted `MultihostCheckpoint` host re-joins its peers.
-    The newer checkpoints leave TensorFlow's `checkpoint` file before their
-    files are deleted, so a crash never leaves a listed checkpoint torn.
-
-    A failed save leaves the earlier checkpoints as they were and removes its
-    own partial files; the next save reuses the same number.
+    The newer checkpoints are unlisted before their files are deleted, so a
+    crash never leaves a listed checkpoint torn. A failed save leaves the
+    earlier checkpoints as they were and removes its own partial files; the
+    next save reuses the same number.
 
     Example::
 
@@ -443,120 +388,27 @@ class Checkpoint:
     """
     start = time.time()
     manager = self.tf_checkpoint_manager
-    self._delete_future_checkpoints()
+    save_protocol.delete_future_checkpoints(
+        manager, self.base_directory, self.checkpoint_name,
+        self._current_number())
     next_checkpoint = self._next_checkpoint(self.current_checkpoint)
     logging.info("Storing next checkpoint '%s'", next_checkpoint)
     storage.makedirs(self.base_directory)
     nbytes = flax_format.save_file(state, self._flax_path(next_checkpoint))
-    counter = self._current_number()
     # TensorFlow writes last: its `checkpoint` file is the commit.
-    try:
-      manager.save()
-    except Exception as e:  # pylint: disable=broad-except
-      error = self._failed_commit(next_checkpoint, counter, e)
-      if error is e:
-        raise
-      raise error from e
+    save_protocol.commit(manager, self._tf_checkpoint, self.base_directory,
+                         next_checkpoint, reread=self._reread_manager)
     current = self.current_checkpoint
     if current != next_checkpoint:
       raise errors.ConcurrentWriterError(
           f"Saved {current} but expected {next_checkpoint}: another process "
           f"may be writing to {self.base_directory}")
-    self._sweep_debris()  # includes the .flax of checkpoints TF pruned
+    # Also removes the .flax of checkpoints TensorFlow pruned.
+    save_protocol.sweep_debris(manager, self.base_directory,
+                               self.checkpoint_name)
     logging.info("Checkpoint.save() wrote %s (%d bytes of Flax state) in "
                  "%.2fs", current, nbytes, time.time() - start)
     return current
-
-  def _failed_commit(self, checkpoint: str, counter: int,
-                     error: Exception) -> Exception:
-    """Undoes a save whose TensorFlow write failed; returns the error to raise.
-
-    TensorFlow has already counted the save. Unless its `checkpoint` file
-    lists the new checkpoint (then only the clean-up after the commit
-    failed) or cannot be read (then nothing is touched), the counter goes
-    back and the partial files go, so that the next save writes the same
-    number. The manager is re-read from disk in every case. I/O errors
-    (TensorFlow raises its own types) become an OSError naming the
-    checkpoint; any other error (e.g. from a `tf_state` object) is returned
-    as is.
-    """
-    committed = self._committed(checkpoint)
-    if committed is False:
-      self._tf_checkpoint.save_counter.assign(counter)
-      try:
-        for path in storage.glob(f"{storage.glob_escape(checkpoint)}.*"):
-          storage.remove(path)
-        storage.remove_tree(f"{checkpoint}_temp")
-      except Exception as e:  # pylint: disable=broad-except
-        logging.warning("Could not remove the files of the failed save %s "
-                        "(a later save replaces them): %s", checkpoint, e)
-    try:
-      self._tf_checkpoint_manager = self._new_manager()
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning("Could not re-read %s after a failed save: %s",
-                      self.base_directory, e)
-    if not tf_manager.is_io_error(error):
-      return error
-    message = {
-        True: f"Checkpoint {checkpoint} was committed, but removing older "
-              "checkpoints failed",
-        False: f"Could not write checkpoint {checkpoint}; earlier "
-               "checkpoints are intact",
-        None: f"Could not write checkpoint {checkpoint}, nor read "
-              f"{self.base_directory}/checkpoint to tell whether it was "
-              "committed",
-    }[committed]
-    return tf_manager.as_os_error(error, message, checkpoint)
-
-  def _committed(self, checkpoint: str) -> Optional[bool]:
-    """Whether TensorFlow's `checkpoint` file names `checkpoint` as latest.
-
-    None when the file exists but cannot be read or parsed.
-    """
-    try:
-      if not storage.exists(storage.join(self.base_directory, "checkpoint")):
-        return False
-      state = layout.read_checkpoint_state(self.base_directory)
-    except Exception:  # pylint: disable=broad-except
-      return None
-    if state is None:
-      return None
-    return (os.path.basename(state.model_checkpoint_path) ==
-            os.path.basename(checkpoint))
-
-  def _sweep_debris(self) -> None:
-    """Removes the `.flax` of pruned checkpoints and what killed saves left.
-
-    That is the `.flax` (and temporary `.flax`) of numbers TensorFlow pruned
-    (just now, or before a kill: no `.index` any more), TensorFlow's
-    unfinished `{name}-N_temp/` and its temporary `checkpoint.tmp*` state
-    files. A checkpoint that still has its `.index` is never touched. Best
-    effort: the save has committed, so a failure here is only logged.
-    """
-    manager = self.tf_checkpoint_manager
-    numbers = [layout.checkpoint_number(p, self.checkpoint_name)
-               for p in manager.checkpoints]
-    numbers = [n for n in numbers if n is not None]
-    latest = layout.checkpoint_number(manager.latest_checkpoint or "",
-                                      self.checkpoint_name)
-    if not numbers or latest is None:
-      return
-    oldest = min(numbers)
-    try:
-      names = set(storage.listdir(self.base_directory))
-      for entry in sorted(names):
-        if not layout.is_debris(entry, names, self.checkpoint_name, oldest,
-                                latest):
-          continue
-        path = storage.join(self.base_directory, entry)
-        logging.info("Removing leftover '%s'", path)
-        if entry.endswith("_temp"):
-          storage.remove_tree(path)
-        else:
-          storage.remove(path)
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning("Could not remove leftovers in %s: %s",
-                      self.base_directory, e)
 
   def restore_or_initialize(self, state: T) -> T:
     """Restores the latest checkpoint, or saves `state` as the first one.
@@ -693,12 +545,9 @@ class MultihostCheckpoint(Checkpoint):
   directories.
   """
 
-  def __init__(self,
-               multihost_base_directory: str,
-               tf_state: Optional[Dict[str, Any]] = None,
-               *,
-               host_id: Optional[int] = None,
-               max_to_keep: int = 5,
+  def __init__(self, multihost_base_directory: str,
+               tf_state: Optional[Dict[str, Any]] = None, *,
+               host_id: Optional[int] = None, max_to_keep: int = 5,
                checkpoint_name: str = "ckpt"):
     """Initializes a MultihostCheckpoint with a dict of TensorFlow Trackables.
 
@@ -724,11 +573,8 @@ class MultihostCheckpoint(Checkpoint):
       import jax  # pylint: disable=g-import-not-at-top
       host_id = jax.process_index()
     host_id = operator.index(host_id)
-    super().__init__(
-        f"{multihost_base_directory}-{host_id}",
-        tf_state,
-        max_to_keep=max_to_keep,
-        checkpoint_name=checkpoint_name)
+    super().__init__(f"{multihost_base_directory}-{host_id}", tf_state,
+                     max_to_keep=max_to_keep, checkpoint_name=checkpoint_name)
 
   def host_directories(self) -> Dict[int, str]:
     """Host id -> directory, for every `{multihost_base_directory}-{int}`."""

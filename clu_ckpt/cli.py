@@ -7,6 +7,7 @@ Synopsis::
   clu-ckpt migrate SOURCE DESTINATION [--latest | --number N ...]
       [--step-naming auto|state|number] [--state-host H]
       [--compression zstd|none] [--dry-run] [--verify] [--json]
+      [--template MODULE:FUNCTION]
 
 `inspect` and `verify` read file names, TensorFlow's `checkpoint` file, the
 `.flax` headers and Orbax's JSON metadata: they import neither TensorFlow nor
@@ -18,7 +19,9 @@ base) into an Orbax CheckpointManager root; see `clu_ckpt.migration`. On a
 terminal it draws a progress bar with the write rate; otherwise it prints one
 line per event. Exit status: 0 when everything was migrated (or skipped as
 already there), 1 when a checkpoint failed or the source is unusable, 2 for
-bad usage.
+bad usage. `--template MODULE:FUNCTION` imports MODULE (from the current
+directory or PYTHONPATH) and writes each step's state in the structure of
+the train state `FUNCTION()` returns (see `clu_ckpt.migration.template`).
 
 Every failure ends with one line on stderr, `clu-ckpt COMMAND: error: PATH:
 problem`, and exit status 1 (2 for bad usage, such as an empty path); the
@@ -34,9 +37,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -304,13 +309,85 @@ def _add_migrate(subparsers: Any) -> None:
   p.add_argument("--max-inflight-mib", type=int, default=128, metavar="MIB",
                  help="array data handed to TensorStore at once (bounds "
                  "memory; default 128)")
+  p.add_argument("--step-prefix", metavar="PREFIX",
+                 help="name steps <PREFIX>_<step>, as CheckpointManagerOptions"
+                 "(step_prefix=PREFIX) does")
+  p.add_argument("--step-format-fixed-length", type=int, metavar="N",
+                 help="zero-pad step numbers to N digits, as "
+                 "CheckpointManagerOptions(step_format_fixed_length=N) does")
+  p.add_argument("--allow-other-sources", action="store_true",
+                 help="migrate into a destination that already holds steps "
+                 "of another source (refused by default)")
+  p.add_argument("--template", metavar="MODULE:FUNCTION",
+                 help="write the state in the structure of the train state "
+                 "FUNCTION() returns (MODULE imported from the current "
+                 "directory or PYTHONPATH), for StandardRestore(abstract)")
   p.set_defaults(run=_run_migrate)
+
+
+_TEMPLATE_SPEC = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
+                            r":([A-Za-z_]\w*)$")
+
+
+class _TemplateError(Exception):
+  """`--template` could not be imported or called (exit status 1)."""
+
+
+def load_template(spec: str) -> Any:
+  """The train state `--template MODULE:FUNCTION` names.
+
+  Example::
+
+    # template.py in the current directory:
+    #   def template():
+    #     return jax.eval_shape(create_train_state, jax.random.key(0))
+    abstract_state = load_template("template:template")
+
+  Args:
+    spec: "MODULE:FUNCTION"; MODULE is imported with the current directory
+      first on `sys.path`, FUNCTION is called with no arguments.
+
+  Returns:
+    What FUNCTION returns.
+
+  Raises:
+    ValueError: `spec` is not MODULE:FUNCTION.
+    _TemplateError: The import or the call failed (message names `spec`).
+  """
+  match = _TEMPLATE_SPEC.match(spec)
+  if match is None:
+    raise ValueError(f"--template {spec!r}: expected MODULE:FUNCTION, e.g. "
+                     "my_model:abstract_train_state")
+  module_name, function_name = match.groups()
+  if os.getcwd() not in sys.path and "" not in sys.path:
+    sys.path.insert(0, os.getcwd())
+  try:
+    module = importlib.import_module(module_name)
+    function = getattr(module, function_name)
+    return function()
+  except Exception as e:  # pylint: disable=broad-except
+    first = (str(e).strip().splitlines() or [""])[0]
+    raise _TemplateError(f"--template {spec}: {type(e).__name__}: "
+                         f"{first}") from e
 
 
 def _run_migrate(args: argparse.Namespace) -> int:
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  if args.template is not None and not _TEMPLATE_SPEC.match(args.template):
+    print(f"clu-ckpt migrate: error: --template {args.template!r}: expected "
+          "MODULE:FUNCTION", file=sys.stderr)
+    return 2
   if not args.verbose and not args.dry_run:
     _import_tensorflow_quietly()
+  template = None
+  if args.template is not None:
+    try:
+      template = load_template(args.template)
+    except _TemplateError as e:
+      if args.verbose:
+        traceback.print_exc()
+      print(f"clu-ckpt migrate: error: {e}", file=sys.stderr)
+      return 1
   report = _ProgressReport(sys.stderr, sys.stderr.isatty())
   try:
     summary = migration.migrate(
@@ -323,6 +400,10 @@ def _run_migrate(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         verify=args.verify,
         inflight_bytes=max(1, args.max_inflight_mib) * _MIB,
+        step_prefix=args.step_prefix,
+        step_format_fixed_length=args.step_format_fixed_length,
+        allow_other_sources=args.allow_other_sources,
+        template=template,
         progress=report)
   except (migration.MigrationError, OSError, ValueError) as e:
     report.close()

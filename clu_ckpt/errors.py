@@ -118,6 +118,22 @@ class MigrationError(CluCkptError):
   """A migration cannot proceed; the message says why and what to do."""
 
 
+class VerificationError(MigrationError):
+  """A migrated step is not what its source holds, or cannot be read back."""
+
+
+class DestinationLockedError(MigrationError):
+  """Another migration holds the destination's lock (the message names it).
+
+  Attributes:
+    holder: What the holder recorded: host, pid, since (may be empty).
+  """
+
+  def __init__(self, message: str, holder: Optional[dict] = None):
+    super().__init__(message)
+    self.holder = dict(holder or {})
+
+
 class PrivateApiError(CluCkptError, ImportError):
   """A private TensorFlow or Orbax API clu_ckpt relies on is not there.
 

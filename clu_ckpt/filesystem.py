@@ -91,8 +91,13 @@ class FileSystem(abc.ABC):
                  length: Optional[int] = None) -> bytes:
     """`length` bytes (all if None, fewer at the end) from `offset`."""
 
-  def map(self, path: str) -> Any:
+  def map(self, path: str, *, populate: bool = True) -> Any:
     """The whole file as a read-only buffer (a memory map where possible).
+
+    `populate` is a hint for memory maps: True when most of the file will be
+    read (a local map then reads it all in at once), False when only some of
+    it will (headers, one subtree). Back ends that read the file whole ignore
+    it.
 
     Raises:
       FileNotFoundError: `path` does not exist.

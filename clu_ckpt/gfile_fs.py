@@ -86,7 +86,8 @@ class GFileFileSystem(filesystem.FileSystem):
         f.seek(offset)
       return f.read() if length is None else f.read(length)
 
-  def map(self, path: str) -> Any:
+  def map(self, path: str, *, populate: bool = True) -> Any:
+    del populate  # read whole: nothing to populate
     if not gfile().exists(path):
       raise FileNotFoundError(f"No such file: {path}")
     return self.read_bytes(path)

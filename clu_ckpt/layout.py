@@ -78,6 +78,36 @@ def normpath(path: str) -> str:
   return (m.group("scheme") or "") + os.path.normpath(m.group("path"))
 
 
+def absolute(path: str) -> str:
+  """The canonical form of a path a user gave: local ones absolute, plain.
+
+  `file://` URLs become plain absolute paths, relative paths are made
+  absolute against the current directory (Orbax and the recorded sources
+  need absolute ones), and URLs of other schemes are only normalized.
+
+  Example::
+
+    absolute("file:///runs/a/")     # "/runs/a"
+    absolute("runs/a")              # "/home/me/runs/a"
+    absolute("gs://b//runs/a")      # "gs://b/runs/a"
+
+  Args:
+    path: A path or URL.
+
+  Returns:
+    The path, normalized; absolute and without a scheme when local.
+
+  Raises:
+    UsageError: `path` is empty.
+  """
+  if not path:
+    raise errors.UsageError("an empty path")
+  scheme, rest = split_scheme(path)
+  if scheme:
+    return normpath(path)
+  return os.path.abspath(rest)
+
+
 def split_checkpoint(checkpoint: str) -> Optional[tuple[str, int]]:
   """The (name, number) of a checkpoint path, from its base name only.
 

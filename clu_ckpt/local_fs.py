@@ -111,7 +111,7 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 _POPULATE_MAX_SHARE = 0.25
 
 
-def _advise(buffer: mmap.mmap) -> None:
+def _advise(buffer: mmap.mmap, populate: bool = True) -> None:
   """Reads a fresh map of a file ahead, as a stream, before it is touched.
 
   Without advice, a cold first pass over a map is slow twice over: parsing
@@ -129,10 +129,15 @@ def _advise(buffer: mmap.mmap) -> None:
   file. Populating reads the whole file when mapped, so it is done only for
   files up to `_POPULATE_MAX_SHARE` of physical memory (a larger one could
   not stay cached anyway); parsing reads ~40 % of a file through
-  read-arounds regardless. Best effort: advice a kernel refuses is skipped.
+  read-arounds regardless. Callers that will touch only part of the file
+  (headers, one subtree) pass `populate=False`: the map is then only advised
+  `MADV_SEQUENTIAL`, and pages are read when touched. Best effort: advice a
+  kernel refuses is skipped.
   """
   with contextlib.suppress(AttributeError, OSError, ValueError):
     buffer.madvise(mmap.MADV_SEQUENTIAL)
+  if not populate:
+    return
   try:
     memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
   except (AttributeError, ValueError, OSError):
@@ -202,14 +207,18 @@ class LocalFileSystem(filesystem.FileSystem):
         f.seek(offset)
       return f.read() if length is None else f.read(length)
 
-  def map(self, path: str) -> Any:
-    """An `mmap.mmap` of the file (`b""` if empty), read-ahead advised."""
+  def map(self, path: str, *, populate: bool = True) -> Any:
+    """An `mmap.mmap` of the file (`b""` if empty), read-ahead advised.
+
+    With `populate` (and a file up to `_POPULATE_MAX_SHARE` of physical
+    memory) the whole file is read in when mapped; see `_advise`.
+    """
     fd = _open_regular(path)
     try:
       if os.fstat(fd).st_size == 0:
         return b""
       buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-      _advise(buffer)
+      _advise(buffer, populate=populate)
       return buffer
     finally:
       os.close(fd)

@@ -5,7 +5,8 @@ ones) without importing Orbax, TensorStore or JAX: step directories are listed
 by name, and each step's JSON metadata (`_CHECKPOINT_METADATA`, the migration's
 `metadata` item, a PyTree item's `_METADATA`) is read as JSON. This is the
 one module that knows those file names and the one listing of an Orbax root's
-steps (`list_steps`); the migration package uses it too.
+steps (`list_steps`, with Orbax's step naming options `step_prefix` and
+`step_format_fixed_length`: `step_name`); the migration package uses it too.
 
 Synopsis::
 
@@ -37,11 +38,95 @@ def _iso(t: float) -> str:
       t, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-
 _ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
 _COMMIT_SUCCESS = "commit_success.txt"
-_STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
+# Characters a step prefix may not hold: "/" (Orbax would write the step into
+# a subdirectory, which it never lists), NUL, and those Orbax's own listing
+# reads as regular expression syntax (it matches `^<prefix>_<digits>$`
+# without escaping the prefix, so it would not find the steps it wrote).
+_PREFIX_FORBIDDEN = frozenset("/\0\\^$*+?{}[]()|")
+
+
+def check_step_naming(step_prefix: Optional[str] = None,
+                      step_format_fixed_length: Optional[int] = None) -> None:
+  """Raises unless Orbax names and finds steps with these options.
+
+  They mean what `orbax.checkpoint.CheckpointManagerOptions`'s fields of the
+  same names mean: step 7 is `<step_prefix>_7`, zero-padded to
+  `step_format_fixed_length` digits (`step_0007`). Orbax accepts every
+  string and integer, but with a prefix holding "/" or regular expression
+  syntax ("a+", "x(1)") a `CheckpointManager` lists none of the steps it
+  wrote, and a negative length fails its first save; those are refused here.
+  An empty prefix ("_7") and length 0 (no padding) work in Orbax and are
+  accepted.
+
+  Args:
+    step_prefix: None (step 7 is "7"), or the prefix.
+    step_format_fixed_length: None or 0 (no padding), or the digit count.
+
+  Raises:
+    UsageError: A prefix or length Orbax cannot use (the message says why).
+  """
+  if step_prefix is not None:
+    if not isinstance(step_prefix, str):
+      raise errors.UsageError(
+          f"step prefix {step_prefix!r}: must be a string")
+    bad = sorted(set(step_prefix) & _PREFIX_FORBIDDEN)
+    if bad:
+      raise errors.UsageError(
+          f"step prefix {step_prefix!r}: may not contain {''.join(bad)!r} "
+          "(Orbax puts the prefix in a directory name and matches it as a "
+          "regular expression: its CheckpointManager would not list these "
+          "steps)")
+  if step_format_fixed_length is not None and (
+      isinstance(step_format_fixed_length, bool) or
+      not isinstance(step_format_fixed_length, int) or
+      step_format_fixed_length < 0):
+    raise errors.UsageError(
+        f"step format fixed length {step_format_fixed_length!r}: must be a "
+        "non-negative integer (the number of digits steps are zero-padded "
+        "to; 0 or None: no padding)")
+
+
+def step_name(step: int, step_prefix: Optional[str] = None,
+              step_format_fixed_length: Optional[int] = None) -> str:
+  """The directory name Orbax gives `step` under these naming options.
+
+  Example::
+
+    step_name(7)                                # "7"
+    step_name(7, "step", 4)                     # "step_0007"
+
+  Args:
+    step: A non-negative step.
+    step_prefix: As in `CheckpointManagerOptions` (None: no prefix).
+    step_format_fixed_length: As in `CheckpointManagerOptions`.
+
+  Returns:
+    The name.
+
+  Raises:
+    UsageError: See `check_step_naming`.
+  """
+  check_step_naming(step_prefix, step_format_fixed_length)
+  digits = str(step).zfill(step_format_fixed_length or 0)
+  return digits if step_prefix is None else f"{step_prefix}_{digits}"
+
+
+def _step_pattern(step_prefix: Optional[str],
+                  step_format_fixed_length: Optional[int]) -> re.Pattern:
+  """The names Orbax's standard name format reads as steps.
+
+  Unpadded: a number without leading zeros. Padded to n digits: exactly n
+  digits starting with 0, or n or more starting with 1-9. `\\d` and `$` as
+  Orbax has them (any Unicode digit; `$` also before a final newline).
+  """
+  n = step_format_fixed_length or 0
+  digits = (rf"0\d{{{n - 1}}}|[1-9]\d{{{n - 1},}}" if n > 0
+            else r"0|[1-9]\d*")
+  prefix = "" if step_prefix is None else re.escape(step_prefix) + "_"
+  return re.compile(rf"^{prefix}({digits})$")
 
 
 def is_orbax_root(path: str) -> bool:
@@ -56,35 +141,54 @@ def is_orbax_root(path: str) -> bool:
   return False
 
 
-def list_steps(root: str) -> tuple[list[int], list[str]]:
+def list_steps(root: str, *, step_prefix: Optional[str] = None,
+               step_format_fixed_length: Optional[int] = None
+               ) -> tuple[list[int], list[str]]:
   """(finished steps, names of unfinished step directories) under `root`.
 
-  The steps are those a default `orbax.checkpoint.CheckpointManager(root)`
-  lists (`standard_name_format().find_all`): directories named by a step
-  number without leading zeros, not being written (no `.orbax-checkpoint-tmp` in
-  their name; on `gs://` roots, holding `commit_success.txt`). Orbax is not
-  imported.
+  The steps are those `orbax.checkpoint.CheckpointManager(root, options)`
+  lists (`all_steps()`, from `standard_name_format(...).find_all`), for
+  options with this `step_prefix` and `step_format_fixed_length`:
+  directories named `[<prefix>_]<step>` (see `step_name`; unpadded: no
+  leading zeros; padded to n: n digits, or more without leading zeros), not
+  being written (no `.orbax-checkpoint-tmp` in their name; on `gs://` roots,
+  holding `commit_success.txt`). Other names are ignored, as Orbax ignores
+  them. Unfinished entries are every name holding `.orbax-checkpoint-tmp`
+  (whatever its prefix: Orbax's `cleanup_tmp_directories` removes them
+  all) and, on `gs://`, step directories without `commit_success.txt`.
+  Orbax is not imported.
 
   Args:
-    root: An Orbax root directory (a missing one has no steps).
+    root: An Orbax root directory: a path (relative ones are made absolute),
+      a `file://` URL or another URL (a missing root has no steps).
+    step_prefix: As in `CheckpointManagerOptions` (None: no prefix).
+    step_format_fixed_length: As in `CheckpointManagerOptions`.
 
   Returns:
     (sorted step numbers, sorted names of temporary or uncommitted entries).
+
+  Raises:
+    UsageError: An empty root, or naming options Orbax cannot use (see
+      `check_step_naming`).
   """
+  check_step_naming(step_prefix, step_format_fixed_length)
+  root = layout.absolute(root)
   if not storage.exists(root) or not storage.isdir(root):
     return [], []
+  pattern = _step_pattern(step_prefix, step_format_fixed_length)
   remote = root.startswith("gs://")
   steps, partial = [], []
   for name in storage.listdir(root):
     name = name.rstrip("/")
+    match = pattern.match(name)
     if ORBAX_TMP_MARKER in name:
       partial.append(name)
-    elif _STEP_NAME.match(name) and storage.isdir(storage.join(root, name)):
+    elif match and storage.isdir(storage.join(root, name)):
       if remote and not storage.exists(storage.join(root, name,
                                                     _COMMIT_SUCCESS)):
         partial.append(name)
       else:
-        steps.append(int(name))
+        steps.append(int(match.group(1)))
   return sorted(steps), sorted(partial)
 
 

@@ -186,6 +186,15 @@ def remove_tree(path: str) -> None:
   filesystem(path).remove_tree(path)
 
 
+def rename(src: str, dst: str) -> None:
+  """Moves `src` over `dst` (atomically on local disks).
+
+  Raises:
+    NotImplementedError: The store has no rename (object stores).
+  """
+  filesystem(src).rename(src, dst)
+
+
 def stat(path: str) -> tuple[int, float]:
   """(size in bytes, modification time) of a file."""
   return filesystem(path).stat(path)
@@ -231,14 +240,22 @@ def read_bytes(path: str) -> bytes:
   return filesystem(path).read_bytes(path)
 
 
-def map_file(path: str) -> Any:
+def map_file(path: str, *, populate: bool = True) -> Any:
   """The content of a file as a read-only buffer, memory-mapped when local.
 
   Local maps are advised for sequential reading (see `local_fs`), so that a
-  cold first pass streams from the disk instead of faulting page by page.
+  cold first pass streams from the disk instead of faulting page by page, and
+  with `populate` (files up to a quarter of RAM) read in whole when mapped.
+
+  Example::
+
+    buffer = map_file("/ckpts/ckpt-7.flax")                  # read it all
+    headers = map_file("/ckpts/ckpt-7.flax", populate=False)  # touch a part
 
   Args:
     path: The file.
+    populate: Whether most of the file will be read: False for inspection or
+      one small subtree, so that only the pages touched are read from disk.
 
   Returns:
     An `mmap.mmap` (local, non-empty files), else `bytes`.
@@ -248,7 +265,7 @@ def map_file(path: str) -> Any:
     NotRegularFileError: A local `path` is not a regular file.
     OSError: It cannot be read.
   """
-  return filesystem(path).map(path)
+  return filesystem(path).map(path, populate=populate)
 
 
 @contextlib.contextmanager

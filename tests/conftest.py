@@ -11,6 +11,11 @@ Synopsis::
   def test_restores(golden_copy, golden_manifest):
     base = golden_copy("single_host")         # a writable pathlib.Path
     manifest = golden_manifest("single_host")  # the case's MANIFEST.json
+
+  def test_never_hangs(run_child, tmp_path):  # in a fresh Python, timed
+    out = run_child("print(json.dumps(attempt(lambda: storage.stat("
+                    "sys.argv[1]))))", str(tmp_path / "x"))
+    # out: {"error": ..., "errno": ..., "seconds": ...} or {"returned": ...}
 """
 
 import json
@@ -18,6 +23,9 @@ import os
 import pathlib
 import shutil
 import stat
+import subprocess
+import sys
+import textwrap
 from typing import Any, Callable
 
 import pytest
@@ -67,3 +75,47 @@ def golden_copy(tmp_path: pathlib.Path) -> Callable[[str], pathlib.Path]:
 def golden_manifest() -> Callable[[str], dict[str, Any]]:
   """Returns `manifest(name)`: the parsed MANIFEST.json of case `name`."""
   return read_manifest
+
+
+# What `run_child` runs first: a memory limit, the storage modules and
+# `attempt(call)`, which returns what `call()` returned or raised, and when.
+CHILD_PRELUDE = """
+import json, os, resource, sys, time
+# Reading /dev/zero (or a huge file) to the end fails here, not the machine.
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+from clu_ckpt import local_fs
+from clu_ckpt import state_file
+from clu_ckpt import storage
+
+def attempt(call):
+  start = time.monotonic()
+  try:
+    out = dict(returned=type(call()).__name__)
+  except Exception as e:
+    out = dict(error=type(e).__name__, errno=getattr(e, "errno", None),
+               filename=getattr(e, "filename", None), message=str(e)[:500],
+               cause=repr(e.__cause__)[:500])
+  out["seconds"] = time.monotonic() - start
+  return out
+"""
+
+
+def run_child(code: str, *args: str, timeout: float = 30) -> Any:
+  """Runs CHILD_PRELUDE + `code` in a fresh Python; returns the JSON it prints.
+
+  A hang fails the test after `timeout` seconds instead of hanging the suite.
+  """
+  try:
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code), *args],
+        capture_output=True, text=True, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"still running after {timeout} s (hung?):\n{code}")
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.fixture(name="run_child")
+def run_child_fixture() -> Callable[..., Any]:
+  """Returns `run_child(code, *args, timeout=30)`: see `run_child`."""
+  return run_child

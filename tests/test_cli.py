@@ -398,3 +398,125 @@ def test_full_disk_during_migrate(tmp_path):
   _assert_one_line_error(done, 1, "No space left on device")
   assert len(done.stderr.strip().splitlines()) <= 5, done.stderr
   assert str(disk) in done.stderr
+
+
+# --------------------------------------------------------------------------
+# migrate: a locked destination, --template.
+# --------------------------------------------------------------------------
+
+
+def test_migrate_into_a_locked_destination_is_one_line_naming_the_holder(
+    tmp_path, golden_copy):
+  from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
+  src, dst = golden_copy("single_host"), tmp_path / "dst"
+  with destination.lock(str(dst)):
+    done = _clu_ckpt("migrate", src, dst)
+  assert done.returncode == 1, done.stdout + done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1, done.stderr
+  assert lines[0].startswith("clu-ckpt migrate: error: ")
+  assert f"pid {os.getpid()}" in lines[0], lines[0]
+  assert _steps(dst) == []
+
+
+_TEMPLATE_MODULE = '''
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+
+class Mlp(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(nn.Dense(3)(x))
+
+
+def create(seed=0):
+  model = Mlp()
+  params = model.init(jax.random.PRNGKey(seed), jnp.ones((1, 2)))
+  return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                       tx=optax.adam(1e-3))
+
+
+def template():
+  return jax.eval_shape(create)
+
+
+def broken():
+  raise RuntimeError("no such device")
+'''
+
+
+def _template_module(tmp_path, name):
+  """Writes the template module as tmp_path/<name>.py and imports it."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  path = tmp_path / f"{name}.py"
+  path.write_text(_TEMPLATE_MODULE)
+  spec = importlib.util.spec_from_file_location(f"{name}_in_test", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_migrate_with_a_template_module(tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from clu import checkpoint as clu_checkpoint  # pylint: disable=g-import-not-at-top
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  module = _template_module(tmp_path, "my_template")
+  state = module.create(seed=3).replace(step=4)
+  clu_checkpoint.Checkpoint(str(tmp_path / "src")).save(state)
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.pathsep.join(
+      [repo] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+  done = subprocess.run(
+      [sys.executable, "-m", "clu_ckpt", "migrate", "src", "dst", "--json",
+       "--verify", "--template", "my_template:template"],
+      capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+  assert done.returncode == 0, done.stderr[-3000:]
+  summary = json.loads(done.stdout)
+  assert summary["steps"][0]["verified"] and summary["steps"][0]["step"] == 4
+  abstract = module.template()
+  with ocp.CheckpointManager(str(tmp_path / "dst")) as mngr:
+    restored = mngr.restore(4, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+  assert isinstance(restored, train_state.TrainState)
+  kernel = restored.params["params"]["Dense_0"]["kernel"]
+  want = np.asarray(state.params["params"]["Dense_0"]["kernel"])
+  assert np.asarray(kernel).tobytes() == want.tobytes()
+  assert int(restored.step) == 4
+  assert len(jax.tree.leaves(restored)) == len(jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("spec", ["my_template", "my_template:", ":template",
+                                  "my template:template", "a:b:c"])
+def test_template_spec_that_is_not_module_function_exits_2(
+    capsys, tmp_path, golden_copy, spec):
+  done = _in_process(capsys, "migrate", golden_copy("single_host"),
+                     tmp_path / "dst", "--template", spec)
+  _assert_one_line_error(done, 2, "--template", "MODULE:FUNCTION")
+  assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+  assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("no_such_template_module:template", "ModuleNotFoundError"),
+    ("{name}:broken", "RuntimeError: no such device"),
+    ("{name}:missing", "AttributeError"),
+])
+def test_template_that_cannot_be_imported_or_called_exits_1(
+    capsys, tmp_path, golden_copy, monkeypatch, spec, needle):
+  name = f"cli_template_{abs(hash(spec)) % 10**6}"
+  _template_module(tmp_path, name)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  spec = spec.format(name=name)
+  done = _in_process(capsys, "migrate", golden_copy("single_host"),
+                     tmp_path / "dst", "--template", spec)
+  _assert_one_line_error(done, 1, f"--template {spec}", needle)
+  assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+  assert not (tmp_path / "dst").exists()
+  sys.modules.pop(name, None)

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from clu_ckpt import errors
 from clu_ckpt import layout
 
 
@@ -100,3 +101,13 @@ def test_check_inside_symlink_loop_is_not_an_error_here(tmp_path):
 def test_normpath(path):
   scheme, rest = layout.split_scheme(path)
   assert layout.normpath(path) == scheme + os.path.normpath(rest)
+
+
+def test_absolute_makes_local_paths_plain_and_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert layout.absolute("runs/a/") == str(tmp_path / "runs" / "a")
+  assert layout.absolute("file:///runs/x/../a/") == "/runs/a"
+  assert layout.absolute("FILE:///runs/a") == "/runs/a"
+  assert layout.absolute("gs://b//runs/./a/") == "gs://b/runs/a"
+  with pytest.raises(errors.UsageError):
+    layout.absolute("")

@@ -153,8 +153,8 @@ def test_local_map_is_advised_and_reads_everything(tmp_path, monkeypatch):
   advised = []
   real_advise = local_fs._advise
   monkeypatch.setattr(local_fs, "_advise",
-                      lambda buffer: advised.append(len(buffer)) or
-                      real_advise(buffer))
+                      lambda buffer, **kw: advised.append(len(buffer)) or
+                      real_advise(buffer, **kw))
   data = os.urandom(3 * mmap.PAGESIZE + 5)
   (tmp_path / "f").write_bytes(data)
   mapped = storage.map_file(str(tmp_path / "f"))
@@ -162,6 +162,74 @@ def test_local_map_is_advised_and_reads_everything(tmp_path, monkeypatch):
   assert bytes(mapped) == data
   assert advised == [len(data)]
   assert storage.map_file(str(tmp_path / "f"))[-5:] == data[-5:]
+
+
+def _resident_share(buffer: mmap.mmap) -> float:
+  """The share of a map's pages in the page cache (mincore(2)), or -1."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  pages = (len(buffer) + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+  vec = (ctypes.c_ubyte * pages)()
+  view = np.frombuffer(buffer, np.uint8)  # for the map's address
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_void_p]
+    address = view.__array_interface__["data"][0]
+    if libc.mincore(address, len(buffer), vec) != 0:
+      return -1.0
+  except (AttributeError, OSError):
+    return -1.0
+  finally:
+    del view
+  return sum(v & 1 for v in vec) / pages
+
+
+def _evict(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  finally:
+    os.close(fd)
+
+
+def test_local_map_populates_only_when_asked(tmp_path):
+  """populate=False leaves a cold file on disk; populate=True reads it in."""
+  if not hasattr(os, "posix_fadvise"):
+    pytest.skip("no posix_fadvise: the page cache cannot be emptied")
+  path = str(tmp_path / "big")
+  block = os.urandom(2**20)
+  with open(path, "wb") as f:
+    for _ in range(64):  # 64 MiB
+      f.write(block)
+    f.flush()
+    os.fsync(f.fileno())
+  _evict(path)
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                        access=mmap.ACCESS_READ) as raw:
+    cold = _resident_share(raw)
+  if cold < 0:
+    pytest.skip("mincore(2) is not available: residency cannot be measured")
+  if cold > 0.05:
+    pytest.skip(f"the page cache cannot be emptied here ({cold:.0%} of the "
+                "file stays resident after POSIX_FADV_DONTNEED)")
+
+  lazy = storage.map_file(path, populate=False)
+  assert _resident_share(lazy) < 0.05
+  lazy.close()
+
+  _evict(path)
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                        access=mmap.ACCESS_READ) as probe:
+    try:
+      probe.madvise(local_fs._MADV_POPULATE_READ)  # pylint: disable=protected-access
+    except OSError:
+      pytest.skip("the kernel has no MADV_POPULATE_READ (Linux < 5.14)")
+  _evict(path)
+  eager = storage.map_file(path)  # populate=True, the default
+  assert _resident_share(eager) > 0.9
+  eager.close()
 
 
 @pytest.mark.parametrize("share", [0, 0.25])

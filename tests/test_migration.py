@@ -1,12 +1,14 @@
-"""Tests for clu_ckpt.migration: CLU directories -> Orbax step layouts.
+"""Tests for clu_ckpt.migration's public API: CLU directories -> Orbax steps.
 
 Sources are the golden fixtures written by clu 0.0.12 and directories written
 here by the real `clu.checkpoint`; results are read back with stock
-`orbax.checkpoint.CheckpointManager`.
+`orbax.checkpoint.CheckpointManager`. How `migrate` runs (resuming, skipping,
+failures, progress, targets) is tested in tests/test_migration_run.py; the
+checks of a migration (`verify`, hosts compared) in
+tests/test_migration_verify.py; shared helpers are in migration_helpers.py.
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,55 +18,15 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-import tensorflow as tf
-from clu import checkpoint as clu_checkpoint
 
 import clu_ckpt
 from clu_ckpt import flax_format
 from clu_ckpt import migration
-
-
-def _iterator():
-  return iter(tf.data.Dataset.range(10_000).batch(4))
-
-
-def _clu_save(directory, states, tf_state=None, **kwargs):
-  ckpt = clu_checkpoint.Checkpoint(str(directory), tf_state, **kwargs)
-  for state in states:
-    ckpt.save(state)
-
-
-def _state(step, scale=1.0):
-  return {
-      "step": np.int64(step),
-      "params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3) * scale,
-                 "e": (np.ones(4) * scale).astype(ml_dtypes.bfloat16)},
-      "opt": {"count": np.int32(step), "lr": 0.1, "name": "sgd",
-              "flag": None},
-  }
-
-
-def _same(a, b):
-  """Exact equality of leaves, independent of the code under test."""
-  if isinstance(a, dict):
-    return (isinstance(b, dict) and list(a) == list(b) and
-            all(_same(a[k], b[k]) for k in a))
-  if isinstance(a, list):
-    return (isinstance(b, list) and len(a) == len(b) and
-            all(_same(x, y) for x, y in zip(a, b)))
-  if type(a) is not type(b):
-    return False
-  if isinstance(a, (np.ndarray, np.generic)):
-    return (a.dtype == b.dtype and np.shape(a) == np.shape(b) and
-            np.asarray(a).tobytes() == np.asarray(b).tobytes())
-  if isinstance(a, float):
-    return np.float64(a).tobytes() == np.float64(b).tobytes()
-  return a == b
-
-
-def _restore(destination, step):
-  with ocp.CheckpointManager(destination) as mngr:
-    return mngr.restore(step)
+from migration_helpers import clu_save
+from migration_helpers import dataset_iterator
+from migration_helpers import example_state
+from migration_helpers import orbax_restore
+from migration_helpers import same_tree
 
 
 def _stock_restore_in_fresh_process(tmp_path, *destinations):
@@ -167,7 +129,7 @@ def test_migrated_iterators_resume_where_clu_left_them(tmp_path, golden_copy):
   manifest = json.loads((single / "MANIFEST.json").read_text())
   with ocp.CheckpointManager(tmp_path / "single") as mngr:
     for entry in manifest["checkpoints"].values():
-      it = _iterator()
+      it = dataset_iterator()
       mngr.restore(entry["step"], args=ocp.args.Composite(
           dataset=clu_ckpt.TfStateRestore(dict(ds_iter=it))))
       assert next(it).numpy().tolist() == entry["next_batch"]
@@ -176,7 +138,7 @@ def test_migrated_iterators_resume_where_clu_left_them(tmp_path, golden_copy):
       "next_batch_after_restore"]
   with ocp.CheckpointManager(tmp_path / "m") as mngr:
     for host, batch in expected.items():
-      it = _iterator()
+      it = dataset_iterator()
       mngr.restore(2, args=ocp.args.Composite(
           dataset=clu_ckpt.TfStateRestore(dict(ds_iter=it),
                                           process_index=int(host))))
@@ -193,7 +155,7 @@ def test_other_fixtures_migrate_exactly(tmp_path, case, golden_copy):
   assert [s.number for s in summary.steps] == [1]
   assert all(s.verified for s in summary.steps)
   step = summary.steps[0].step
-  assert _same(migration.restore_state(str(tmp_path / "dst"), step),
+  assert same_tree(migration.restore_state(str(tmp_path / "dst"), step),
                flax_format.load_file(str(src / "ckpt-1.flax")))
 
 
@@ -223,36 +185,36 @@ def test_every_kind_of_leaf_survives(tmp_path):
              "bytes": b"\x00\xff", "no_bytes": b""},
       "nested": {"list": [1, 2.0], "empty_dict": {}},
   }
-  _clu_save(tmp_path / "src", [state])
+  clu_save(tmp_path / "src", [state])
   summary = migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst"),
                               verify=True)
   assert summary.ok, summary.failed
   assert summary.steps[0].step == 5
   source = flax_format.load_file(str(tmp_path / "src" / "ckpt-1.flax"))
-  assert _same(migration.restore_state(str(tmp_path / "dst"), 5), source)
+  assert same_tree(migration.restore_state(str(tmp_path / "dst"), 5), source)
 
   # Stock Orbax alone gets every ordinary leaf exactly, and stand-ins for
   # the rest, which the metadata item describes.
-  stock = _restore(tmp_path / "dst", 5)
+  stock = orbax_restore(tmp_path / "dst", 5)
   for key in ("f32", "bf16", "f16", "f8", "i8", "bool", "u64", "c64"):
-    assert _same(stock["state"][key], state[key]), key
+    assert same_tree(stock["state"][key], state[key]), key
   assert stock["state"]["py"]["str"] == "héllo"
   assert stock["state"]["py"]["none"] is None
   assert stock["state"]["py"]["big"] == 2**63 + 1
   assert stock["state"]["nested"]["empty_dict"] == {}
-  encoded = stock["metadata"]["encoded"]
-  assert encoded["/empty"]["stored_as"] == "none"
-  assert encoded["/u4"]["stored_as"] == "raw_bytes"
-  assert encoded["/text"]["stored_as"] == "raw_bytes"
-  assert encoded["/py/complex"]["kind"] == "complex"
-  assert encoded["/np_scalar"]["kind"] == "npscalar"
+  records = stock["metadata"]["encoded"]["records"]
+  assert records['["empty"]']["stored_as"] == "none"
+  assert records['["u4"]']["stored_as"] == "raw_bytes"
+  assert records['["text"]']["stored_as"] == "raw_bytes"
+  assert records['["py", "complex"]']["kind"] == "complex"
+  assert records['["np_scalar"]']["kind"] == "npscalar"
   leaves = {leaf["path"]: leaf for leaf in stock["metadata"]["leaves"]}
   assert leaves["/bf16"] == {"path": "/bf16", "kind": "ndarray",
                              "dtype": "bfloat16", "shape": [3]}
 
 
 def test_dotted_key_collision_is_refused(tmp_path):
-  _clu_save(tmp_path / "src", [{"a.b": np.ones(2), "a": {"b": np.zeros(2)}}])
+  clu_save(tmp_path / "src", [{"a.b": np.ones(2), "a": {"b": np.zeros(2)}}])
   summary = migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst"))
   assert not summary.ok
   assert "/a.b" in summary.steps[0].error and "/a/b" in summary.steps[0].error
@@ -270,7 +232,7 @@ def test_encode_refuses_non_string_keys():
 
 
 def test_steps_named_by_state_when_increasing(tmp_path):
-  _clu_save(tmp_path / "src", [_state(s) for s in (10, 20, 30)])
+  clu_save(tmp_path / "src", [example_state(s) for s in (10, 20, 30)])
   summary = migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst"))
   assert summary.step_naming == "state"
   assert summary.step_mapping == {1: 10, 2: 20, 3: 30}
@@ -279,7 +241,7 @@ def test_steps_named_by_state_when_increasing(tmp_path):
 
 
 def test_steps_named_by_number_otherwise(tmp_path):
-  _clu_save(tmp_path / "src", [_state(s) for s in (10, 10, 5)])
+  clu_save(tmp_path / "src", [example_state(s) for s in (10, 10, 5)])
   summary = migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst"),
                               step_naming="auto")
   assert summary.step_naming == "number"
@@ -294,14 +256,14 @@ def test_steps_named_by_number_otherwise(tmp_path):
 
 
 def test_step_naming_can_be_forced_to_numbers(tmp_path):
-  _clu_save(tmp_path / "src", [_state(s) for s in (10, 20)])
+  clu_save(tmp_path / "src", [example_state(s) for s in (10, 20)])
   summary = migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst"),
                               step_naming="number")
   assert summary.step_mapping == {1: 1, 2: 2}
 
 
 def test_state_without_step_is_named_by_number(tmp_path):
-  _clu_save(tmp_path / "src", [{"w": np.ones(2)}, {"w": np.zeros(2)}])
+  clu_save(tmp_path / "src", [{"w": np.ones(2)}, {"w": np.zeros(2)}])
   summary = migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst"))
   assert summary.step_mapping == {1: 1, 2: 2}
   with pytest.raises(migration.MigrationError, match="no integer"):
@@ -319,7 +281,7 @@ def test_name_steps_rules():
 
 
 # --------------------------------------------------------------------------
-# Selection, multihost.
+# Selection and errors of the source.
 # --------------------------------------------------------------------------
 
 
@@ -334,154 +296,14 @@ def test_selection(tmp_path, golden_copy):
     migration.migrate(str(src), str(tmp_path / "c"), checkpoints=[2])
 
 
-def _multihost(base, states_per_host):
-  for host, states in enumerate(states_per_host):
-    it = _iterator()
-    ckpt = clu_checkpoint.MultihostCheckpoint(str(base), dict(ds_iter=it),
-                                              host_id=host)
-    for state in states:
-      next(it)
-      ckpt.save(state)
-
-
-def test_multihost_hosts_that_differ_need_a_choice(tmp_path):
-  base = tmp_path / "src" / "ckpts"
-  _multihost(base, [[_state(1)], [_state(1, scale=2.0)]])
-  summary = migration.migrate(str(base), str(tmp_path / "dst"))
-  assert not summary.ok
-  error = summary.steps[0].error
-  assert "hosts 0 and 1" in error and "/params" in error
-  assert "--state-host" in error
-  with ocp.CheckpointManager(tmp_path / "dst") as mngr:
-    assert list(mngr.all_steps()) == []
-
-  summary = migration.migrate(str(base), str(tmp_path / "dst"), state_host=1)
-  assert summary.ok
-  restored = _restore(tmp_path / "dst", 1)
-  np.testing.assert_array_equal(restored["state"]["params"]["w"],
-                                _state(1, scale=2.0)["params"]["w"])
-  assert restored["metadata"]["state_host"] == 1
-  assert sorted(restored["dataset"]) == ["process_0", "process_1"]
-
-
-def test_multihost_identical_hosts(tmp_path):
-  base = tmp_path / "src" / "ckpts"
-  _multihost(base, [[_state(1), _state(2)], [_state(1), _state(2)]])
-  summary = migration.migrate(str(base), str(tmp_path / "dst"), verify=True)
-  assert summary.ok, summary.failed
-  assert summary.kind == "MultihostCheckpoint"
-  assert summary.hosts == [0, 1]
-  assert [s.step for s in summary.steps] == [1, 2]
-  meta = migration.read_metadata(str(tmp_path / "dst"), 2)
-  assert meta["hosts_compared"] is True and meta["host_ids"] == [0, 1]
-
-
-# --------------------------------------------------------------------------
-# Failures, atomicity, resumption, verification.
-# --------------------------------------------------------------------------
-
-
-def test_corrupt_sources_fail_alone_and_leave_no_step(tmp_path, golden_copy):
-  src = golden_copy("single_host")
-  flax = src / "ckpt-4.flax"
-  flax.write_bytes(flax.read_bytes()[:-10])
-  index = src / "ckpt-5.index"
-  index.write_bytes(b"not an index")
-  summary = migration.migrate(str(src), str(tmp_path / "dst"))
-  by_number = {s.number: s for s in summary.steps}
-  assert by_number[3].status == "migrated"
-  assert by_number[4].status == "failed"
-  assert str(flax) in by_number[4].error
-  assert by_number[5].status == "failed"
-  assert "ckpt-5.index" in by_number[5].error
-  with ocp.CheckpointManager(tmp_path / "dst") as mngr:
-    assert list(mngr.all_steps()) == [300]
-  assert sorted(os.listdir(tmp_path / "dst")) == ["300"]
-
-
 def test_missing_source_is_a_clear_error(tmp_path):
   with pytest.raises(migration.MigrationError, match="no CLU checkpoint"):
     migration.migrate(str(tmp_path / "nothing"), str(tmp_path / "dst"))
 
 
-def test_interrupted_migration_is_invisible_and_resumes(tmp_path, golden_copy):
-  src = golden_copy("single_host")
-  dst = tmp_path / "dst"
-  # A real process dies (os._exit) in the middle of writing ckpt-4's arrays.
-  script = textwrap.dedent("""
-      import os, sys
-      from clu_ckpt import migration
-      def progress(p):
-        if p.event == "bytes" and p.number == 4:
-          os._exit(9)
-      migration.migrate(sys.argv[1], sys.argv[2], progress=progress)
-  """)
-  run = subprocess.run([sys.executable, "-c", script, str(src), str(dst)],
-                       capture_output=True, cwd=tmp_path)
-  assert run.returncode == 9
-  leftovers = [p for p in os.listdir(dst) if p.startswith("400.")]
-  assert leftovers, os.listdir(dst)  # Orbax's temporary directory.
-  with ocp.CheckpointManager(dst) as mngr:
-    assert list(mngr.all_steps()) == [300]
-
-  summary = migration.migrate(str(src), str(dst), verify=True)
-  assert [s.status for s in summary.steps] == ["skipped", "migrated",
-                                               "migrated"]
-  assert all(s.verified for s in summary.steps)
-  assert sorted(os.listdir(dst)) == ["300", "400", "500"]
-  again = migration.migrate(str(src), str(dst))
-  assert [s.status for s in again.steps] == ["skipped"] * 3
-
-
-def test_destination_step_from_elsewhere_is_not_overwritten(tmp_path,
-                                                            golden_copy):
-  a = golden_copy("single_host")
-  _clu_save(tmp_path / "other", [_state(300)])
-  assert migration.migrate(str(tmp_path / "other"), str(tmp_path / "dst")).ok
-  summary = migration.migrate(str(a), str(tmp_path / "dst"))
-  by_number = {s.number: s for s in summary.steps}
-  assert by_number[3].status == "failed"
-  assert "already exists" in by_number[3].error
-  assert by_number[4].status == "migrated"
-  meta = migration.read_metadata(str(tmp_path / "dst"), 300)
-  assert meta["source"] == str(tmp_path / "other")
-
-
-def test_verify_catches_a_difference(tmp_path):
-  _clu_save(tmp_path / "src", [_state(1)])
-  assert migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst")).ok
-  # Change one array's bytes in the source after the migration.
-  flax = tmp_path / "src" / "ckpt-1.flax"
-  leaf = next(l for l in flax_format.inspect_file(str(flax))
-              if l.path == "/params/w")
-  raw = bytearray(flax.read_bytes())
-  raw[leaf.offset] ^= 0x01
-  flax.write_bytes(bytes(raw))
-  summary = migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst"),
-                              verify=True)
-  assert summary.steps[0].status == "failed"
-  assert "/params/w differs" in summary.steps[0].error
-
-
-def test_dry_run_writes_nothing(tmp_path, golden_copy):
-  src = golden_copy("single_host")
-  summary = migration.migrate(str(src), str(tmp_path / "dst"), dry_run=True)
-  assert [s.status for s in summary.steps] == ["planned"] * 3
-  assert summary.step_mapping == {3: 300, 4: 400, 5: 500}
-  assert summary.steps[0].nbytes > 0
-  assert not (tmp_path / "dst").exists()
-
-
-def test_progress_reports_every_byte(tmp_path, golden_copy):
-  src = golden_copy("single_host")
-  events = []
-  summary = migration.migrate(str(src), str(tmp_path / "dst"),
-                              checkpoints="latest", progress=events.append)
-  assert summary.ok
-  kinds = [e.event for e in events]
-  assert kinds[0] == "start" and kinds[-1] == "done"
-  written = sum(e.nbytes for e in events if e.event == "bytes")
-  assert written == events[0].nbytes == summary.steps[0].nbytes > 0
+# --------------------------------------------------------------------------
+# Compression and the memory budget.
+# --------------------------------------------------------------------------
 
 
 def _du(directory):
@@ -490,7 +312,7 @@ def _du(directory):
 
 
 def test_compression_choice(tmp_path):
-  _clu_save(tmp_path / "src", [{"zeros": np.zeros(2**20, np.float32)}])
+  clu_save(tmp_path / "src", [{"zeros": np.zeros(2**20, np.float32)}])
   for compression in ("zstd", "none"):
     summary = migration.migrate(str(tmp_path / "src"),
                                 str(tmp_path / compression),
@@ -506,7 +328,7 @@ def test_compression_choice(tmp_path):
 
 def test_many_arrays_through_a_small_budget(tmp_path):
   state = {f"a{i:02d}": np.full(2**18, i, np.float32) for i in range(24)}
-  _clu_save(tmp_path / "src", [state])
+  clu_save(tmp_path / "src", [state])
   events = []
   summary = migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst"),
                               inflight_bytes=2 * 2**20, progress=events.append,

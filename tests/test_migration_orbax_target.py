@@ -3,7 +3,9 @@ and parsing each `.flax` once per migration."""
 
 import asyncio
 import collections
+import datetime
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from clu import checkpoint as clu_checkpoint
 from clu_ckpt import errors
 from clu_ckpt import flax_format
 from clu_ckpt import migration
+from clu_ckpt.migration import memory
 from clu_ckpt.migration import orbax_target
 
 
@@ -195,7 +198,7 @@ def _peak_admitted(limit, sizes):
   """Runs jobs of `sizes` bytes through a budget; returns the most at once."""
 
   async def scenario():
-    budget = orbax_target._ByteBudget(limit)  # pylint: disable=protected-access
+    budget = memory.ByteBudget(limit)
     active, peak = [0], [0]
 
     async def job(n):
@@ -245,3 +248,180 @@ def test_remove_partial_unlinks_a_symlink_and_spares_its_target(tmp_path):
   orbax_target.OrbaxTarget(str(root)).remove_partial(3)
   assert sorted(os.listdir(root)) == []
   assert (outside / "keep").read_text() == "x"
+
+
+# --------------------------------------------------------------------------
+# Step names, save times, custom metadata, roots.
+# --------------------------------------------------------------------------
+
+
+def _items(step):
+  return {orbax_target.STATE_ITEM: {"w": np.arange(4.0) * step,
+                                    "step": np.int64(step)},
+          orbax_target.METADATA_ITEM: {"clu_checkpoint": f"ckpt-{step}"}}
+
+
+def _manager(root, prefix=None, length=None):
+  return ocp.CheckpointManager(
+      str(root), options=ocp.CheckpointManagerOptions(
+          step_prefix=prefix, step_format_fixed_length=length))
+
+
+@pytest.mark.parametrize("prefix,length,names", [
+    ("step", 4, ["step_0003", "step_0040", "step_12345"]),
+    (None, 5, ["00003", "00040", "12345"]),
+    ("ckpt", None, ["ckpt_12345", "ckpt_3", "ckpt_40"]),
+])
+def test_steps_are_named_and_listed_as_orbax_names_them(tmp_path, prefix,
+                                                        length, names):
+  target = orbax_target.OrbaxTarget(str(tmp_path / "dst"), step_prefix=prefix,
+                                    step_format_fixed_length=length)
+  for step in (3, 40, 12345):
+    target.write_step(step, _items(step), on_bytes=lambda n: None)
+  assert sorted(os.listdir(tmp_path / "dst")) == names
+  assert target.steps() == [3, 40, 12345]
+  with _manager(tmp_path / "dst", prefix, length) as mngr:
+    assert mngr.all_steps() == [3, 40, 12345]
+    restored = mngr.restore(40, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(), metadata=ocp.args.JsonRestore()))
+  np.testing.assert_array_equal(restored["state"]["w"], np.arange(4.0) * 40)
+  assert restored["metadata"] == {"clu_checkpoint": "ckpt-40"}
+  state, meta = target.restore(12345)
+  np.testing.assert_array_equal(state["w"], np.arange(4.0) * 12345)
+  assert meta == {"clu_checkpoint": "ckpt-12345"}
+  assert orbax_target.read_metadata(
+      str(tmp_path / "dst"), 3, step_prefix=prefix,
+      step_format_fixed_length=length) == {"clu_checkpoint": "ckpt-3"}
+  # A default target lists what a default manager lists ("12345" only).
+  with _manager(tmp_path / "dst") as mngr:
+    assert orbax_target.OrbaxTarget(str(tmp_path / "dst")).steps() == (
+        mngr.all_steps()) == ([] if prefix else [12345])
+
+
+def test_remove_partial_removes_the_prefixed_temporary_name(tmp_path):
+  root = tmp_path / "dst"
+  for name in ("step_0003.orbax-checkpoint-tmp", "3.orbax-checkpoint-tmp",
+               "step_0004.orbax-checkpoint-tmp", "step_0003"):
+    (root / name).mkdir(parents=True)
+  target = orbax_target.OrbaxTarget(str(root), step_prefix="step",
+                                    step_format_fixed_length=4)
+  target.remove_partial(3)
+  assert sorted(os.listdir(root)) == [
+      "3.orbax-checkpoint-tmp", "step_0003", "step_0004.orbax-checkpoint-tmp"]
+
+
+def test_a_failed_prefixed_write_leaves_nothing(tmp_path, monkeypatch):
+  # Fails at the commit, when every item is written under the temporary name.
+  def failing_update(self, file_path, **kwargs):
+    if orbax_target.COMMIT_TIME_FIELD in kwargs:
+      assert os.path.basename(os.path.dirname(file_path)) == (
+          "s_005.orbax-checkpoint-tmp")
+      raise OSError("disk gone")
+  monkeypatch.setattr(orbax_target._CommitTimeStore, "update", failing_update)  # pylint: disable=protected-access
+  target = orbax_target.OrbaxTarget(str(tmp_path / "dst"), step_prefix="s",
+                                    step_format_fixed_length=3)
+  with pytest.raises(OSError, match="disk gone"):
+    target.write_step(5, _items(5), on_bytes=lambda n: None, saved_at=1.0)
+  assert os.listdir(tmp_path / "dst") == []
+
+
+def test_naming_options_are_checked_at_construction(tmp_path):
+  with pytest.raises(errors.UsageError, match="may not contain"):
+    orbax_target.OrbaxTarget(str(tmp_path), step_prefix="a/b")
+  with pytest.raises(errors.UsageError, match="fixed length"):
+    orbax_target.OrbaxTarget(str(tmp_path), step_format_fixed_length=-2)
+
+
+def test_save_time_and_custom_metadata_as_a_stock_manager_sees_them(tmp_path):
+  root = tmp_path / "dst"
+  target = orbax_target.OrbaxTarget(str(root), step_prefix="step")
+  custom = {"clu_ckpt": {"source": "/runs/a/ckpts", "checkpoint": "ckpt-3"}}
+  saved_at = 1_600_000_000.654321
+  target.write_step(3, _items(3), on_bytes=lambda n: None,
+                    saved_at=saved_at, custom_metadata=custom)
+  target.write_step(4, _items(4), on_bytes=lambda n: None,
+                    saved_at=1_500_000_000)
+  name_format = ocp.path.step.standard_name_format(step_prefix="step")
+  times = {m.step: m.commit_timestamp for m in name_format.find_all(root)}
+  want = datetime.datetime.fromtimestamp(saved_at, datetime.timezone.utc)
+  assert times[3] == want  # microseconds: what Orbax keeps
+  assert times[4].timestamp() == 1_500_000_000
+  with _manager(root, "step") as mngr:
+    assert mngr.all_steps() == [3, 4]
+    # What its policies use (the list it keeps of its steps' infos).
+    infos = {i.step: i.time for i in mngr._checkpoints}  # pylint: disable=protected-access
+    assert infos == times
+    assert mngr.metadata(3).custom_metadata == custom
+    assert mngr.metadata(3).commit_timestamp_nsecs == round(saved_at * 1e9)
+    assert mngr.metadata(4).custom_metadata == {}
+
+
+def test_the_time_is_the_saved_one_before_the_step_is_listed(tmp_path,
+                                                             monkeypatch):
+  # Orbax renames the temporary directory into place after setting the commit
+  # time; at that moment the metadata must already hold the source's time.
+  seen = {}
+  rename = os.rename
+
+  def spying_rename(src, dst, *args, **kwargs):
+    if os.path.dirname(os.fspath(dst)) == str(tmp_path / "dst"):
+      with open(os.path.join(src, "_CHECKPOINT_METADATA")) as f:
+        seen[os.path.basename(os.fspath(dst))] = json.load(f)
+    return rename(src, dst, *args, **kwargs)
+
+  monkeypatch.setattr(os, "rename", spying_rename)
+  target = orbax_target.OrbaxTarget(str(tmp_path / "dst"))
+  target.write_step(2, _items(2), on_bytes=lambda n: None, saved_at=1234.5,
+                    custom_metadata={"source": "x"})
+  assert seen["2"]["commit_timestamp_nsecs"] == 1_234_500_000_000
+  assert seen["2"]["custom_metadata"] == {"source": "x"}
+
+
+def test_without_a_save_time_the_step_gets_the_time_of_writing(tmp_path):
+  before = datetime.datetime.now(datetime.timezone.utc)
+  orbax_target.OrbaxTarget(str(tmp_path / "dst")).write_step(
+      1, _items(1), on_bytes=lambda n: None)
+  with _manager(tmp_path / "dst") as mngr:
+    meta = mngr.metadata(1)
+  assert meta.commit_timestamp_nsecs / 1e9 >= before.timestamp() - 1
+  assert meta.custom_metadata == {}
+
+
+@pytest.mark.parametrize("saved_at", [float("nan"), float("inf"), -1.0, "1"])
+def test_unusable_save_times_are_refused(tmp_path, saved_at):
+  with pytest.raises(errors.UsageError, match="saved_at"):
+    orbax_target.OrbaxTarget(str(tmp_path / "dst")).write_step(
+        1, _items(1), on_bytes=lambda n: None, saved_at=saved_at)
+  assert not (tmp_path / "dst").exists() or not os.listdir(tmp_path / "dst")
+
+
+def test_an_orbax_that_sets_the_time_otherwise_is_refused(tmp_path,
+                                                          monkeypatch):
+  monkeypatch.setattr(orbax_target, "COMMIT_TIME_FIELD", "no_such_field")
+  target = orbax_target.OrbaxTarget(str(tmp_path / "dst"))
+  with pytest.raises(errors.PrivateApiError) as e:
+    target.write_step(1, _items(1), on_bytes=lambda n: None, saved_at=5.0)
+  assert "commit_timestamp_nsecs" in str(e.value)
+  assert metadata.version("orbax-checkpoint") in str(e.value)
+  assert os.listdir(tmp_path / "dst") == []
+
+
+def test_relative_and_file_url_roots(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  target = orbax_target.OrbaxTarget("runs/dst")
+  assert target.root == str(tmp_path / "runs" / "dst")
+  target.write_step(1, _items(1), on_bytes=lambda n: None)
+  url = orbax_target.OrbaxTarget(f"file://{tmp_path}/runs/url/")
+  assert url.root == str(tmp_path / "runs" / "url")
+  url.write_step(2, _items(2), on_bytes=lambda n: None)
+  assert sorted(os.listdir(tmp_path)) == ["runs"]  # no `file:` directory
+  assert os.listdir(tmp_path / "runs" / "dst") == ["1"]
+  assert os.listdir(tmp_path / "runs" / "url") == ["2"]
+  monkeypatch.chdir(tmp_path / "runs")
+  assert orbax_target.OrbaxTarget("dst").steps() == [1]
+  assert orbax_target.OrbaxTarget("./url").restore(2)[1] == {
+      "clu_checkpoint": "ckpt-2"}
+  assert orbax_target.read_metadata(f"file://{tmp_path}/runs/dst", 1) == {
+      "clu_checkpoint": "ckpt-1"}
+  with _manager(tmp_path / "runs" / "url") as mngr:
+    assert mngr.all_steps() == [2]

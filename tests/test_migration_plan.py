@@ -1,7 +1,11 @@
-"""Tests of clu_ckpt.migration.plan: reading a state's step, naming steps."""
+"""Tests of clu_ckpt.migration.plan: a state's step, save times."""
+
+import os
+import re
 
 import numpy as np
 import pytest
+from clu import checkpoint as clu_checkpoint
 
 from clu_ckpt import flax_format
 from clu_ckpt import migration
@@ -31,3 +35,74 @@ def test_state_step_of_a_corrupt_file_raises(tmp_path):
   path.write_bytes(flax_format.save({"step": 1, "w": np.ones(3)})[:-2])
   with pytest.raises(flax_format.FlaxFormatError):
     plan.state_step(str(path))
+
+
+# --------------------------------------------------------------------------
+# discover: each checkpoint's save time.
+# --------------------------------------------------------------------------
+
+
+def _clu_source(directory, steps=(1, 2)):
+  ckpt = clu_checkpoint.Checkpoint(str(directory))
+  for step in steps:
+    ckpt.save({"step": np.int64(step), "w": np.ones(2)})
+  return directory
+
+
+def _write_state(directory, paths, stamps, last=None):
+  lines = [f'model_checkpoint_path: "{paths[-1]}"']
+  lines += [f'all_model_checkpoint_paths: "{p}"' for p in paths]
+  lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in stamps]
+  if last is not None:
+    lines.append(f"last_preserved_timestamp: {last!r}")
+  (directory / "checkpoint").write_text("\n".join(lines) + "\n")
+
+
+def test_saved_at_is_the_timestamp_tensorflow_recorded(tmp_path):
+  src = _clu_source(tmp_path / "src")
+  text = (src / "checkpoint").read_text()
+  recorded = [float(v) for v in re.findall(
+      r"all_model_checkpoint_timestamps: (\S+)", text)]
+  assert len(recorded) == 2
+  found = plan.discover(str(src)).checkpoints
+  assert [c.saved_at for c in found] == recorded
+  # Not the files' times: set them apart, and the recorded ones still count.
+  for n in (1, 2):
+    os.utime(src / f"ckpt-{n}.flax", (1e9, 1e9))
+  _write_state(src, ["ckpt-1", "ckpt-2"], [1000.25, 2000.5], last=1.0)
+  found = plan.discover(str(src)).checkpoints
+  assert [(c.number, c.saved_at) for c in found] == [(1, 1000.25),
+                                                     (2, 2000.5)]
+
+
+def test_saved_at_falls_back_to_the_flax_modification_time(tmp_path):
+  src = _clu_source(tmp_path / "src")
+  os.utime(src / "ckpt-1.flax", (5e8, 500000000.25))
+  os.utime(src / "ckpt-2.flax", (6e8, 600000000.75))
+  # Timestamps pair with paths by position (as TensorFlow zips them): the
+  # latest checkpoint has none here, so its `.flax` time is used.
+  _write_state(src, ["ckpt-1", "ckpt-2"], [1000.25], last=1.0)
+  found = plan.discover(str(src)).checkpoints
+  assert [(c.number, c.saved_at) for c in found] == [
+      (1, 1000.25), (2, os.stat(src / "ckpt-2.flax").st_mtime)]
+  assert found[1].saved_at == pytest.approx(600000000.75, abs=1e-6)
+  # No timestamps at all: only the latest is listed, with its `.flax` time.
+  _write_state(src, ["ckpt-1", "ckpt-2"], [])
+  found = plan.discover(str(src)).checkpoints
+  assert [(c.number, c.saved_at) for c in found] == [
+      (2, os.stat(src / "ckpt-2.flax").st_mtime)]
+
+
+def test_saved_at_of_a_multihost_source_is_the_state_hosts(tmp_path):
+  base = tmp_path / "src" / "ckpts"
+  for host in (0, 1):
+    ckpt = clu_checkpoint.MultihostCheckpoint(str(base), host_id=host)
+    ckpt.save({"step": np.int64(1), "w": np.ones(2)})
+  _write_state(tmp_path / "src" / "ckpts-0", ["ckpt-1"], [111.5], last=1.0)
+  _write_state(tmp_path / "src" / "ckpts-1", ["ckpt-1"], [222.5], last=1.0)
+  found = plan.discover(str(base)).checkpoints
+  assert [(c.number, c.saved_at) for c in found] == [(1, 111.5)]
+
+
+def test_a_constructed_source_checkpoint_has_no_time():
+  assert plan.SourceCheckpoint(3, {0: "/c/ckpt-3"}).saved_at is None

@@ -141,10 +141,9 @@ def _train(ckpt, it, base, steps, host=0, start=0):
 
 @pytest.mark.parametrize("crash_at", [
     # Before the second removal: ckpt-3.data is gone.
-    ("c:os.remove@clu_ckpt.checkpoint:Checkpoint._delete_future_checkpoints",
-     2),
+    ("c:os.remove@clu_ckpt.save_protocol:delete_future_checkpoints", 2),
     # Clean-up done, the new .flax is being written.
-    ("py:clu_ckpt.flax_format:_Sink.large", 1),
+    ("py:clu_ckpt.flax_encode:_Sink.large", 1),
 ], ids=["during_cleanup", "during_flax_write"])
 def test_multihost_crash_in_first_save_after_restore_stays_restorable(
     tmp_path, crash_at):

@@ -1,18 +1,124 @@
-"""Tests for `clu_ckpt.state_file` as a module of its own.
+"""Tests for `clu_ckpt.state_file`: TensorFlow's `checkpoint` state file.
 
-The parser's behaviour (against TensorFlow as the oracle) is tested in
-tests/test_storage.py through the `storage` re-exports; here: the re-exports
-are the same objects, and the module works without TensorFlow.
+TensorFlow is the oracle: files written by a real `tf.train.CheckpointManager`
+(or by hand, or at random) must parse exactly as `tf.train.get_checkpoint_state`
+parses them, and `managed_checkpoints()` must list what a fresh
+`tf.train.CheckpointManager` lists. Also: the re-exports (`layout`, `storage`)
+are the same objects, the module works without TensorFlow, and huge or
+pathological state files are refused or parsed in linear time (in a child
+process with a timeout, the `run_child` fixture, so that a regression fails
+instead of hanging).
 """
 
+import os
+import pathlib
+import random
 import subprocess
 import sys
 import textwrap
+import time
+from typing import Optional
+import warnings
+
+import pytest
+import tensorflow as tf
+from tensorflow.python.checkpoint import checkpoint_management
 
 from clu_ckpt import errors
 from clu_ckpt import layout
 from clu_ckpt import state_file
 from clu_ckpt import storage
+
+WEIRD_NAMES = [
+    "plain",
+    "sp ace",
+    'quo"te',
+    "apo'strophe",
+    "back\\slash",
+    "tab\there",
+    "new\nline",
+    "ünïcødé-€",
+    "ctrl\x01\x7f",
+    "ha#sh",
+    '#"#',
+    "# lead",
+    "[br],;",
+]
+
+
+def manager(directory: str, name: str = "ckpt",
+            max_to_keep: int = 3) -> tf.train.CheckpointManager:
+  return tf.train.CheckpointManager(
+      tf.train.Checkpoint(v=tf.Variable(1.0)), directory,
+      max_to_keep=max_to_keep, checkpoint_name=name)
+
+
+def assert_same_as_tf(directory: str) -> Optional[state_file.CheckpointState]:
+  """read_checkpoint_state(directory) equals tf.train.get_checkpoint_state.
+
+  Where TensorFlow gives None, strict mode must raise CheckpointStateError;
+  where it raises ValueError (no latest checkpoint), so must we; and our
+  parser must not warn (TensorFlow's warns about escapes such as `\\?`).
+  """
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    try:
+      theirs = tf.train.get_checkpoint_state(directory)
+    except ValueError as e:
+      theirs = e
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    if isinstance(theirs, ValueError):
+      for strict in (False, True):
+        with pytest.raises(storage.CheckpointStateError,
+                           match="Invalid checkpoint state"):
+          state_file.read_checkpoint_state(directory, strict=strict)
+      return None
+    ours = state_file.read_checkpoint_state(directory)
+    if theirs is None:
+      assert ours is None
+      if storage.exists(storage.join(directory, "checkpoint")):
+        with pytest.raises(storage.CheckpointStateError) as raised:
+          state_file.read_checkpoint_state(directory, strict=True)
+        assert raised.value.path == storage.join(directory, "checkpoint")
+      return None
+    assert repr(state_file.read_checkpoint_state(directory, strict=True)) == (
+        repr(ours))
+  assert ours is not None
+  assert ours.model_checkpoint_path == theirs.model_checkpoint_path
+  assert ours.all_model_checkpoint_paths == list(
+      theirs.all_model_checkpoint_paths)
+  # repr: nan equals nan, -0.0 differs from 0.0.
+  assert repr(ours.all_model_checkpoint_timestamps) == repr(list(
+      theirs.all_model_checkpoint_timestamps))
+  assert repr(ours.last_preserved_timestamp) == repr(
+      theirs.last_preserved_timestamp)
+  return ours
+
+
+def fresh_manager_checkpoints(directory: str) -> list[str]:
+  return tf.train.CheckpointManager(tf.train.Checkpoint(), directory,
+                                    max_to_keep=5).checkpoints
+
+
+def write_state(directory: pathlib.Path, text: str) -> None:
+  directory.mkdir(parents=True, exist_ok=True)
+  (directory / "checkpoint").write_text(text, encoding="utf-8")
+
+
+def state_text(paths: list[str], stamps: Optional[list[float]],
+               last_preserved: Optional[float]) -> str:
+  lines = [f'model_checkpoint_path: "{paths[-1]}"']
+  lines += [f'all_model_checkpoint_paths: "{p}"' for p in paths]
+  lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in stamps or []]
+  if last_preserved is not None:
+    lines.append(f"last_preserved_timestamp: {last_preserved!r}")
+  return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# The module itself: re-exports, no TensorFlow, file URLs.
+# ---------------------------------------------------------------------------
 
 
 def test_layout_re_exports_the_state_file_names():
@@ -52,3 +158,419 @@ def test_file_url_and_missing_directory(tmp_path):
   state = state_file.read_checkpoint_state(f"file://{tmp_path}")
   assert state.model_checkpoint_path == f"file://{tmp_path}/c-1"
   assert state_file.read_checkpoint_state(str(tmp_path / "absent")) is None
+
+
+# ---------------------------------------------------------------------------
+# The `checkpoint` state file, written by TensorFlow.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("saves,max_to_keep", [(1, 3), (3, 3), (5, 2)])
+def test_state_written_by_checkpoint_manager(tmp_path, saves, max_to_keep):
+  directory = str(tmp_path / "ckpts")
+  mgr = manager(directory, max_to_keep=max_to_keep)
+  for _ in range(saves):
+    mgr.save()
+  state = assert_same_as_tf(directory)
+  assert state.model_checkpoint_path == f"{directory}/ckpt-{saves}"
+  assert state.managed_checkpoints() == fresh_manager_checkpoints(directory)
+  assert state.managed_checkpoints() == mgr.checkpoints
+  assert len(state.managed_checkpoints()) == min(saves, max_to_keep)
+
+
+@pytest.mark.parametrize("name", WEIRD_NAMES)
+def test_escaped_characters_in_paths(tmp_path, name):
+  directory = tmp_path / f"dir {name}"
+  directory.mkdir()
+  mgr = manager(str(directory), name=f"ck-{name}")
+  mgr.save()
+  mgr.save()
+  raw = (directory / "checkpoint").read_bytes()
+  state = assert_same_as_tf(str(directory))
+  assert state.model_checkpoint_path == f"{directory}/ck-{name}-2"
+  assert state.managed_checkpoints() == fresh_manager_checkpoints(
+      str(directory))
+  if any(c in name for c in '"\\\t\n\x01'):
+    assert b"\\" in raw  # the file really holds escapes
+
+
+def test_absolute_paths_written_by_tf(tmp_path):
+  directory = tmp_path / "ckpts"
+  directory.mkdir()
+  elsewhere = [f"/elsewhere/{name}-{i}" for i, name in enumerate(WEIRD_NAMES)]
+  tf.compat.v1.train.update_checkpoint_state(
+      str(directory), elsewhere[-1],
+      all_model_checkpoint_paths=elsewhere,
+      all_model_checkpoint_timestamps=[float(i) for i in range(len(elsewhere))],
+      last_preserved_timestamp=0.5)
+  state = assert_same_as_tf(str(directory))
+  assert state.all_model_checkpoint_paths == elsewhere
+
+
+@pytest.mark.parametrize("text", [
+    'model_checkpoint_path: "\\303\\251t\\303\\251"\n',  # octal, UTF-8
+    'model_checkpoint_path: "\\x41\\x4a\\x7"\n',
+    "model_checkpoint_path: 'single \"quoted\" \\' '\n",
+    'model_checkpoint_path: "a\\\\b\\"c\\\'d\\r\\a\\v\\f"\n',
+    '# a comment\nmodel_checkpoint_path:"x" # trailing\n'
+    'last_preserved_timestamp:1e3\n',
+    'model_checkpoint_path: "a"; all_model_checkpoint_paths: "a"\n',
+    'model_checkpoint_path: "old"\nmodel_checkpoint_path: "new"\n',
+    'model_checkpoint_path: "a"\nlast_preserved_timestamp: -inf\n',
+    'model_checkpoint_path: "a"\nall_model_checkpoint_timestamps: 12\n'
+    'all_model_checkpoint_timestamps: -1.5e-3\n',
+    # `#` starts a comment only outside quotes.
+    'model_checkpoint_path: "/ck#pts/a#1" # a comment with "quotes"\n',
+    "model_checkpoint_path: '#' # '\nall_model_checkpoint_paths: \"'#'\"\n",
+    'model_checkpoint_path: "x"#c\n#"y"\nall_model_checkpoint_paths:"z" #\n',
+    # No newline at the end; CRLF; other whitespace; a raw CR in a path.
+    'model_checkpoint_path: "no-newline"',
+    'model_checkpoint_path: "crlf"\r\nlast_preserved_timestamp: 2\r\n',
+    'model_checkpoint_path:\t"ws"\x0b\x0c\x1c\u3000last_preserved_timestamp:1',
+    'model_checkpoint_path: "raw\rcr"\n',
+    # Escapes: hex (one or two digits), octal, unknown ones kept, \u.
+    'model_checkpoint_path: "\\x5\\xF\\x4a1\\101\\0\\7\\18"\n',
+    'model_checkpoint_path: "\\?\\q\\8\\\\x"\n',
+    'model_checkpoint_path: "\\u00e9\\U0001F600\\N{DIGIT ONE}\\\\u0041"\n',
+    'model_checkpoint_path: "\\u005c\\u005c \\u005cn \\€"\n',
+    # Adjacent strings join (escapes may span them); lists; separators.
+    'model_checkpoint_path: "a" \'b\' # c\n "\\303" "\\251"\n',
+    'model_checkpoint_path: "m" all_model_checkpoint_paths: ["a", "b" "c"],\n'
+    'all_model_checkpoint_paths: [] all_model_checkpoint_timestamps: [1, 2f]',
+    'model_checkpoint_path: "m", last_preserved_timestamp: 3;'
+    'all_model_checkpoint_paths: "p";\n',
+    # Numbers spelled the ways protobuf accepts.
+    'model_checkpoint_path: "m"\nall_model_checkpoint_timestamps: [1e3f, inff,'
+    ' -Infinity, NaN, 1_0, .5, -.5e1, +01, 1e999, -0, \u0663]\n',
+    # Repeated singular fields: the last wins.
+    'last_preserved_timestamp: 1 model_checkpoint_path: "a" '
+    'last_preserved_timestamp: 2 model_checkpoint_path: "b"',
+])
+def test_hand_written_state_files(tmp_path, text):
+  write_state(tmp_path, text)
+  assert assert_same_as_tf(str(tmp_path)) is not None
+
+
+@pytest.mark.parametrize("text", [
+    "model_checkpoint_path: ",
+    'model_checkpoint_path: "x"\nunknown_field: 3\n',
+    'model_checkpoint_path: "unterminated',
+    "{{{",
+    'model_checkpoint_path: "\\xzz"',
+    'last_preserved_timestamp: "x"\nmodel_checkpoint_path: "a"',
+    "model_checkpoint_path: 12\n",
+    'model_checkpoint_path: "\\351"\n',  # octal escape, invalid UTF-8
+    'model_checkpoint_path: "\\400"\n',  # octal escape above 255
+    'model_checkpoint_path: "a\\"\n',
+    'model_checkpoint_path: "\\u12"\n',
+    'model_checkpoint_path: "\\ud800"\n',
+    'model_checkpoint_path: "\\N{NO SUCH NAME}"\n',
+    'model_checkpoint_path: "\\N{EURO SIGN}"\n',  # above U+00FF
+    'model_checkpoint_path: "x\nacross lines"\n',
+    "model_checkpoint_path: 'x\"\n",
+    'model_checkpoint_path: "x";;\n',
+    'model_checkpoint_path: "x",;\n',
+    'model_checkpoint_path "x"\n',
+    'model_checkpoint_path: ["x"]\n',
+    'all_model_checkpoint_paths: ["a",]\nmodel_checkpoint_path: "x"\n',
+    'all_model_checkpoint_paths: ["a" "b"\nmodel_checkpoint_path: "x"\n',
+    'Model_Checkpoint_Path: "x"\n',
+    '\ufeffmodel_checkpoint_path: "x"\n',  # a byte order mark
+    'model_checkpoint_path: "x"\nlast_preserved_timestamp: 01\n',
+    'model_checkpoint_path: "x"\nlast_preserved_timestamp: 0x10\n',
+    'model_checkpoint_path: "x"\nlast_preserved_timestamp: 1.5.2\n',
+    'model_checkpoint_path: "x"\nlast_preserved_timestamp:\n',
+    'model_checkpoint_path: "x" # "\nlast_preserved_timestamp: "1"\n',
+])
+def test_garbled_state_file_is_none(tmp_path, text):
+  write_state(tmp_path, text)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    assert tf.train.get_checkpoint_state(str(tmp_path)) is None
+  assert state_file.read_checkpoint_state(str(tmp_path)) is None
+  with pytest.raises(storage.CheckpointStateError,
+                     match=r"checkpoint: cannot parse: line \d+, column \d+"):
+    state_file.read_checkpoint_state(str(tmp_path), strict=True)
+
+
+def test_binary_state_file_is_none(tmp_path):
+  (tmp_path / "checkpoint").write_bytes(b"\x00\xff\xfe\x80garbage")
+  assert state_file.read_checkpoint_state(str(tmp_path)) is None
+
+
+def test_missing_state_file_is_none(tmp_path):
+  assert state_file.read_checkpoint_state(str(tmp_path)) is None
+  assert state_file.read_checkpoint_state(str(tmp_path / "absent")) is None
+  assert tf.train.get_checkpoint_state(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("text", [
+    "", 'model_checkpoint_path: ""\n', 'all_model_checkpoint_paths: "a"\n'])
+def test_state_without_latest_raises_like_tf(tmp_path, text):
+  write_state(tmp_path, text)
+  with pytest.raises(ValueError):
+    tf.train.get_checkpoint_state(str(tmp_path))
+  with pytest.raises(ValueError, match="Invalid checkpoint state"):
+    state_file.read_checkpoint_state(str(tmp_path))
+
+
+def test_file_url_directory(tmp_path):
+  directory = tmp_path / "ckpts"
+  mgr = manager(str(directory))
+  mgr.save()
+  url = f"file://{directory}"
+  state = assert_same_as_tf(url)
+  assert state.model_checkpoint_path == f"{url}/ckpt-1"
+
+
+def test_relative_paths_written_by_tf(tmp_path):
+  names = [f"ck#{i} {name}" for i, name in enumerate(WEIRD_NAMES)]
+  checkpoint_management.update_checkpoint_state_internal(
+      str(tmp_path), str(tmp_path / names[-1]),
+      all_model_checkpoint_paths=[str(tmp_path / n) for n in names],
+      save_relative_paths=True,
+      all_model_checkpoint_timestamps=[1.5 * i for i in range(len(names))],
+      last_preserved_timestamp=-1.0)
+  raw = (tmp_path / "checkpoint").read_text()
+  assert f'"{names[0]}"' in raw  # relative, with `#` inside the quotes
+  state = assert_same_as_tf(str(tmp_path))
+  assert state.all_model_checkpoint_paths == [str(tmp_path / n) for n in names]
+
+
+FUZZ_ATOMS = [  # mostly valid
+    "a", "é", "€", "#", " ", "\t", "\r", "\\\\", '\\"', "\\'", "\\n", "\\x5",
+    "\\xFf", "\\x4a1", "\\101", "\\303\\251", "\\0", "\\?", "\\q",
+    "\\u00e9", "\\u005c", "\\U0001F600", "\\N{DIGIT ONE}"] * 4 + [
+        "'", '"', "\\x", "\\400", "\\351", "\\ud800", "\\"]
+FUZZ_NUMBERS = ["1", "-2.5", "1e3", "2f", "inf", "-Infinity", "nan", "01",
+                "+1", ".5", "1_0", "0x1", "1.2.3", "'1'", "x", "\u0663"]
+FUZZ_SEPARATORS = ["", " ", "\n", "\r\n", ";", ",", " # c'\"\n", ";;",
+                   "\u3000"]
+
+
+def random_state_text(rng: random.Random) -> str:
+  """A CheckpointState text proto, valid or subtly not."""
+
+  def value(name: str) -> str:
+    if "timestamp" in name:
+      return rng.choice(FUZZ_NUMBERS)
+    return " ".join(
+        q + "".join(rng.choices(FUZZ_ATOMS, k=rng.randint(0, 5))) + q
+        for q in rng.choices("\"\"'", k=rng.choice([1, 1, 1, 2])))
+
+  fields = ['model_checkpoint_path: "m"\n'] if rng.random() < 0.8 else []
+  for _ in range(rng.randint(1, 5)):
+    name = rng.choice(["model_checkpoint_path", "all_model_checkpoint_paths",
+                       "all_model_checkpoint_timestamps",
+                       "last_preserved_timestamp"] * 5 + ["unknown"])
+    if name.startswith("all_") and rng.random() < 0.3:
+      items = ", ".join(value(name) for _ in range(rng.randint(0, 3)))
+      v = f"[{items}{rng.choice([']', ']', ',]', ''])}"
+    else:
+      v = value(name)
+    fields.append(name + rng.choice([":", ": ", " :", ""]) + v +
+                  rng.choice(FUZZ_SEPARATORS))
+  return "".join(fields)
+
+
+def test_random_state_files_parse_as_tf(tmp_path):
+  rng = random.Random(20240601)
+  parsed = 0
+  for i in range(1500):
+    directory = tmp_path / str(i)
+    write_state(directory, random_state_text(rng))
+    parsed += assert_same_as_tf(str(directory)) is not None
+  assert parsed > 100  # not only errors
+
+
+def test_long_escaped_strings_parse_as_tf(tmp_path, monkeypatch):
+  # Long strings are unescaped with numpy, in chunks: small odd ones here.
+  monkeypatch.setattr(state_file, "_CHUNK", 4099)
+  atoms = [a for a in FUZZ_ATOMS[:23] if a not in ("\\u005c", "\\xFf")]
+  rng = random.Random(7)
+  for i in range(12):
+    body = "".join(rng.choices(atoms, k=20_000))
+    assert len(body) > state_file._VECTOR_MIN
+    write_state(tmp_path / str(i), f'model_checkpoint_path: "{body}"\n'
+                f"all_model_checkpoint_paths: ['{body}', 'x{body}']\n")
+    state = assert_same_as_tf(str(tmp_path / str(i)))
+    assert len(state.model_checkpoint_path) > 20_000
+
+# ---------------------------------------------------------------------------
+# Strict mode and limits.
+# ---------------------------------------------------------------------------
+
+
+def test_strict_names_the_problem(tmp_path):
+  path = str(tmp_path / "checkpoint")
+  (tmp_path / "checkpoint").write_bytes(
+      b'model_checkpoint_path: "caf\xc3\xa9\xff"\n')
+  assert state_file.read_checkpoint_state(str(tmp_path)) is None
+  with pytest.raises(storage.CheckpointStateError) as raised:
+    state_file.read_checkpoint_state(str(tmp_path), strict=True)
+  assert raised.value.path == path
+  assert str(raised.value) == (
+      f"checkpoint state file {path}: not UTF-8 at byte 29")
+  assert isinstance(raised.value.__cause__, UnicodeDecodeError)
+  write_state(tmp_path, 'model_checkpoint_path: "a"\n\n  bogus: 1\n')
+  with pytest.raises(storage.CheckpointStateError) as raised:
+    state_file.read_checkpoint_state(str(tmp_path), strict=True)
+  assert str(raised.value) == (
+      f"checkpoint state file {path}: cannot parse: line 3, column 3: "
+      "unknown field 'bogus'")
+  assert isinstance(raised.value, ValueError)
+  # Missing: None in both modes.
+  assert state_file.read_checkpoint_state(str(tmp_path / "no"),
+                                       strict=True) is None
+  (tmp_path / "d").mkdir()
+  (tmp_path / "d" / "checkpoint").symlink_to(tmp_path / "d" / "gone")
+  assert state_file.read_checkpoint_state(str(tmp_path / "d"), strict=True) is None
+  (tmp_path / "f").write_text("a file, not a directory")
+  assert state_file.read_checkpoint_state(str(tmp_path / "f"), strict=True) is None
+
+
+def test_size_and_entry_limits(tmp_path, monkeypatch):
+  text = state_text([f"c-{i}" for i in range(5)], [1.0] * 5, 0.5)
+  write_state(tmp_path, text)
+  monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", len(text))
+  monkeypatch.setattr(state_file, "MAX_STATE_ENTRIES", 10)
+  assert len(state_file.read_checkpoint_state(str(tmp_path)).managed_checkpoints(
+      now=2.0)) == 5
+  write_state(tmp_path, text + " ")
+  with pytest.raises(storage.CheckpointStateError, match="over the limit"):
+    state_file.read_checkpoint_state(str(tmp_path))
+  monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", 2**22)
+  for extra in ("all_model_checkpoint_timestamps: 2\n",
+                'all_model_checkpoint_paths: ["x", "y"]\n',
+                "all_model_checkpoint_timestamps: [" + "1," * 2000 + "1]\n"):
+    write_state(tmp_path, text + extra)
+    for strict in (False, True):
+      with pytest.raises(storage.CheckpointStateError,
+                         match="more than 10 paths and timestamps"):
+        state_file.read_checkpoint_state(str(tmp_path), strict=strict)
+  write_state(tmp_path, 'model_checkpoint_path: "a"\n' * 100_000)
+  assert state_file.read_checkpoint_state(str(tmp_path)).model_checkpoint_path == (
+      f"{tmp_path}/a")  # singular fields do not count
+
+
+# ---------------------------------------------------------------------------
+# managed_checkpoints(): what a fresh CheckpointManager would list.
+# ---------------------------------------------------------------------------
+
+
+
+@pytest.mark.parametrize("stamps,last_preserved", [
+    ([-300, -200, -100], -400),     # all newer than last_preserved
+    ([-300, -200, -100], -250),     # the oldest is preserved, not managed
+    ([-300, -200, -100], -50),      # all preserved
+    ([1000, 2000, -100], -400),     # timestamps from the future count as now
+    ([-5, 2000, 3000], 1000),       # last_preserved from the future
+    (None, -10),                    # old files without timestamps
+    (None, None),
+    ([-300, -200], -400),           # fewer timestamps than paths
+])
+def test_managed_checkpoints_equal_tf(tmp_path, stamps, last_preserved):
+  now = time.time()
+  paths = ["ckpt-1", "ckpt-2", "ckpt-3"]
+  write_state(tmp_path, state_text(
+      paths, None if stamps is None else [now + s for s in stamps],
+      None if last_preserved is None else now + last_preserved))
+  state = assert_same_as_tf(str(tmp_path))
+  assert state.managed_checkpoints() == fresh_manager_checkpoints(
+      str(tmp_path))
+
+
+def test_managed_checkpoints_now_argument(tmp_path):
+  write_state(tmp_path, state_text(["a-1", "a-2"], [100.0, 200.0], 50.0))
+  state = state_file.read_checkpoint_state(str(tmp_path))
+  both = [f"{tmp_path}/a-1", f"{tmp_path}/a-2"]
+  assert state.managed_checkpoints(now=1000.0) == both
+  assert state.managed_checkpoints(now=150.0) == both  # min(t, now) > 50
+  assert state.managed_checkpoints(now=40.0) == []     # before last_preserved
+
+
+# ---------------------------------------------------------------------------
+# Over the size limit: never read (in a child, so that a hang fails).
+# ---------------------------------------------------------------------------
+
+
+def test_state_file_over_the_size_limit_is_never_read(tmp_path, run_child):
+  with open(tmp_path / "checkpoint", "wb") as f:
+    f.truncate(64 * state_file.MAX_STATE_FILE_BYTES)  # sparse: 8 GiB of zeros
+  out = run_child("""
+    print(json.dumps([attempt(lambda: state_file.read_checkpoint_state(
+        sys.argv[1], strict=strict)) for strict in (False, True)]))
+  """, str(tmp_path))
+  for outcome in out:
+    assert outcome["error"] == "CheckpointStateError", outcome
+    assert outcome["message"] == (
+        f"checkpoint state file {tmp_path}/checkpoint: "
+        f"{64 * state_file.MAX_STATE_FILE_BYTES} bytes, over the limit of "
+        f"{state_file.MAX_STATE_FILE_BYTES} (state_file.MAX_STATE_FILE_BYTES)")
+    assert outcome["seconds"] < 1
+
+
+# ---------------------------------------------------------------------------
+# The state-file parser is linear: big pathological files, in a child.
+# ---------------------------------------------------------------------------
+
+BIG = 64 * 2**20
+HEAD = 'model_checkpoint_path: "ckpt-1"\n'
+
+
+# name: (prefix, unit repeated to 64 MiB, suffix, each path unescaped or None)
+BIG_CASES = {
+    "60 MiB path": ('all_model_checkpoint_paths: "', "ab", '"\n', "ab"),
+    "1.5M fields": ("", 'all_model_checkpoint_paths: "ckpt-12345678"\n', "",
+                    "ckpt-12345678"),
+    "1M list items": ("all_model_checkpoint_paths: [", f'"{"c" * 60}", ',
+                      f'"{"c" * 60}"]\n', "c" * 60),
+    "all escapes": ('all_model_checkpoint_paths: "',
+                    r'\\\"\303\251\n\x5\q\u00e9#\'', '"\n',
+                    "\\\"é\n\x05\\qé#'"),
+    "comments": ("", '# all_model_checkpoint_paths: "x"\n', "", None),
+}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"),
+                    reason="peak memory is read from /proc/self/status")
+@pytest.mark.parametrize("case", BIG_CASES)
+def test_big_state_file_parses_in_linear_time(tmp_path, case, run_child):
+  """64 MiB: seconds, and peak memory a small multiple of the size.
+
+  Seen on 2 busy cores: 0.7-4 s, 2-5.4x (memory does not depend on load).
+  """
+  prefix, unit, suffix, value = BIG_CASES[case]
+  count = (BIG - len(HEAD + prefix + suffix)) // len(unit)
+  with open(tmp_path / "checkpoint", "w", encoding="utf-8") as f:
+    f.write(HEAD + prefix)
+    block = 2**20 // len(unit)
+    for done in range(0, count, block):
+      f.write(unit * min(block, count - done))
+    f.write(suffix)
+  out = run_child("""
+    def peak():
+      with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
+    before = peak()
+    outcome = attempt(lambda: state_file.read_checkpoint_state(
+        sys.argv[1], strict=True))
+    outcome["peak_extra_kib"] = peak() - before
+    state = state_file.read_checkpoint_state(sys.argv[1])
+    paths = [p[len(sys.argv[1]) + 1:] for p in state.all_model_checkpoint_paths]
+    outcome["paths"] = len(paths)
+    outcome["lengths"] = sorted({len(p) for p in paths})
+    outcome["sample"] = paths[0][:200] if paths else None
+    print(json.dumps(outcome))
+  """, str(tmp_path), timeout=120)
+  assert "error" not in out, out
+  assert out["seconds"] < 15, out
+  assert out["peak_extra_kib"] * 1024 < 8 * BIG, out
+  if value is None:
+    assert out["paths"] == 0
+  elif prefix.endswith('"'):  # one long path
+    assert out["paths"] == 1 and out["lengths"] == [len(value) * count]
+    assert out["sample"] == (value * count)[:200]
+  else:
+    assert out["paths"] == count + ("[" in prefix)
+    assert out["lengths"] == [len(value)] and out["sample"] == value

@@ -5,7 +5,9 @@ Every kept CLU checkpoint (`ckpt-N.flax` plus TensorFlow's `ckpt-N.index` and
 `orbax.checkpoint.CheckpointManager` reads, with three items:
 
 - `state`: the Flax state dict, arrays in TensorStore (OCDBT, zstd by
-  default), written by Orbax's `PyTreeCheckpointHandler`.
+  default), written by Orbax's `PyTreeCheckpointHandler`; with
+  `migrate(..., template=train_state)`, the train state's own structure,
+  as `ocp.args.StandardSave(train_state)` writes it (see `template`).
 - `dataset`: every host's TensorFlow checkpoint bytes (the tf.data iterator);
   see `clu_ckpt.orbax_items`. Absent when the checkpoint has no `tf_state`.
 - `metadata`: JSON: source, CLU checkpoint number, hosts, clu_ckpt version,
@@ -34,14 +36,23 @@ The package's modules, each owning one part:
 
 - `plan`: the source (discover, select, state_step, name_steps, dataset).
 - `codec`: stand-ins for leaves Orbax cannot hold (encode/decode_state).
-- `orbax_target`: the destination seam (`Target`) and `OrbaxTarget`, its one
-  implementation; the only user of a private Orbax API; `list_steps`.
+- `orbax_target`: the destination seam (`Target`, which
+  `migrate(..., target=...)` accepts) and `OrbaxTarget`, its one
+  implementation (the default); the only user of a private Orbax API;
+  `list_steps`.
+- `memory`: the byte budget, read-ahead and heap trimming of the writer.
+- `template`: the state in a train state's structure (`from_template`).
+- `destination`: the destination's lock and manifest (a fleet's safety).
 - `verify`: comparing a step with its source, and hosts with each other.
 - `run`: `migrate`, its results, `restore_state`.
 """
 
 from clu_ckpt.migration.codec import decode_state
 from clu_ckpt.migration.codec import encode_state
+from clu_ckpt.migration.destination import DestinationLockedError
+from clu_ckpt.migration.destination import lock
+from clu_ckpt.migration.destination import Manifest
+from clu_ckpt.migration.destination import read_manifest
 from clu_ckpt.migration.orbax_target import DATASET_ITEM
 from clu_ckpt.migration.orbax_target import DEFAULT_INFLIGHT_BYTES
 from clu_ckpt.migration.orbax_target import list_steps
@@ -69,11 +80,13 @@ from clu_ckpt.migration.run import ProgressFn
 from clu_ckpt.migration.run import restore_state
 from clu_ckpt.migration.run import StepResult
 from clu_ckpt.migration.verify import same_leaf
+from clu_ckpt.migration.verify import VerificationError
 from clu_ckpt.migration.verify import verify_step
 
 __all__ = [
-    "COMPRESSIONS", "DATASET_ITEM", "DEFAULT_INFLIGHT_BYTES", "FORMAT",
-    "METADATA_ITEM", "MigrationError", "MigrationSummary", "OrbaxTarget",
+    "COMPRESSIONS", "DATASET_ITEM", "DEFAULT_INFLIGHT_BYTES",
+    "DestinationLockedError", "FORMAT", "METADATA_ITEM", "Manifest",
+    "MigrationError", "VerificationError", "lock", "read_manifest", "MigrationSummary", "OrbaxTarget",
     "Progress", "ProgressFn", "STATE_ITEM", "STEP_NAMINGS", "Selection",
     "Source", "SourceCheckpoint", "StepResult", "Target", "decode_state",
     "describe_error", "discover", "encode_state", "list_steps", "migrate",

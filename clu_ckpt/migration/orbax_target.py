@@ -8,20 +8,28 @@ own handlers, with a bounded numpy handler (a byte budget, a read-ahead of
 memory-mapped arrays and a heap trimmer) so memory stays small whatever the
 checkpoint size.
 
-This is the one module that uses a private Orbax API,
-`NumpyHandler._background_serialize` (checked at use time against the
-versions in `CHECKED_ORBAX_VERSIONS`; `PrivateApiError` if it is missing).
+This is the one module that relies on Orbax behaviour outside its public
+API, checked against the versions in `CHECKED_ORBAX_VERSIONS`:
+`NumpyHandler._background_serialize` (`PRIVATE_API`, checked at use time;
+`PrivateApiError` if it is missing), and, to give a step its source's save
+time, that a save's commit time is written through the `MetadataStore`
+given to `Checkpointer` as `update(..., commit_timestamp_nsecs=...)` before
+the step is renamed into place (`COMMIT_TIME_API`, checked after each save;
+`PrivateApiError` if it did not happen).
 Orbax itself is imported only when a target is used: `list_steps` lists
-a root's steps exactly as Orbax's default `CheckpointManager` does, without
-importing Orbax (for `clu_ckpt.inspection`, too).
+a root's steps exactly as a `CheckpointManager` with the same `step_prefix`
+and `step_format_fixed_length` options does, without importing Orbax (for
+`clu_ckpt.inspection`, too).
 
 Synopsis::
 
   from clu_ckpt.migration import orbax_target
 
   steps, partial = orbax_target.list_steps("/runs/a/orbax")
-  target = orbax_target.OrbaxTarget("/runs/a/orbax")
-  target.write_step(7, {"state": tree, "metadata": meta}, on_bytes=print)
+  target = orbax_target.OrbaxTarget("/runs/a/orbax", step_prefix="step",
+                                    step_format_fixed_length=8)
+  target.write_step(7, {"state": tree, "metadata": meta}, on_bytes=print,
+                    saved_at=1700000000.5, custom_metadata={"source": src})
   state, meta = target.restore(7)
 """
 
@@ -30,13 +38,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import inspect
-from typing import Any, Callable, Mapping, Optional, Sequence
+import math
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
 from clu_ckpt import errors
+from clu_ckpt import layout
 from clu_ckpt import orbax_root
 from clu_ckpt import storage
+from clu_ckpt.migration import memory
 
 STATE_ITEM = "state"
 DATASET_ITEM = "dataset"
@@ -51,17 +62,18 @@ PRIVATE_API = ("orbax.checkpoint.type_handlers.NumpyHandler."
                "_background_serialize")
 PRIVATE_API_PARAMETERS = ("self", "values", "infos", "args")
 CHECKED_ORBAX_VERSIONS = ("0.12.8",)
+# The Orbax behaviour a step's commit time is set through (see the module
+# docstring), checked against the same versions.
+COMMIT_TIME_API = ("orbax.checkpoint.metadata.MetadataStore.update("
+                   "commit_timestamp_nsecs=...), called by Checkpointer.save")
+COMMIT_TIME_FIELD = "commit_timestamp_nsecs"
 
 # What Orbax puts in the names of steps being written (local file systems).
 ORBAX_TMP_MARKER = orbax_root.ORBAX_TMP_MARKER
+# What a step that failed verification is renamed to before it is removed.
+DISCARDED_MARKER = ".clu_ckpt-discarded"
 # The one listing of an Orbax root's steps (Orbax's own rules, no Orbax).
 list_steps = orbax_root.list_steps
-# What marks a finished step on object stores (where nothing is renamed).
-
-
-# --------------------------------------------------------------------------
-# Listing steps, without Orbax.
-# --------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------
@@ -80,18 +92,31 @@ class Target(abc.ABC):
 
   @abc.abstractmethod
   def write_step(self, step: int, items: Mapping[str, Any],
-                 on_bytes: Callable[[int], None]) -> None:
+                 on_bytes: Callable[[int], None], *,
+                 saved_at: Optional[float] = None,
+                 custom_metadata: Optional[Mapping[str, Any]] = None,
+                 standard_state: bool = False) -> None:
     """Writes one step atomically; on failure, nothing of it is left.
 
     Args:
       step: The step.
       items: {STATE_ITEM: tree, METADATA_ITEM: json, [DATASET_ITEM: tree]}.
       on_bytes: Called with the byte count of each array once written.
+      saved_at: The step's save time (Unix seconds), recorded as the time
+        the target's retention policies use; None: the time of writing.
+      custom_metadata: JSON-ready custom metadata of the step.
+      standard_state: The state has a template's structure: write it as a
+        StandardSave item (`migrate` passes it only with a template).
     """
 
   @abc.abstractmethod
   def remove_partial(self, step: int) -> None:
     """Removes what an interrupted write of `step` left behind."""
+
+  @abc.abstractmethod
+  def discard(self, step: int) -> None:
+    """Takes a finished step away (it failed verification): it leaves the
+    listing first, at once, and its files after that."""
 
   @abc.abstractmethod
   def read_metadata(self, step: int) -> dict[str, Any]:
@@ -123,42 +148,101 @@ class Target(abc.ABC):
 class OrbaxTarget(Target):
   """An Orbax `CheckpointManager` root, written with bounded memory.
 
+  Steps are named as a `CheckpointManager` with
+  `CheckpointManagerOptions(step_prefix=..., step_format_fixed_length=...)`
+  names them (`orbax_root.step_name`: step 7 is "7", or "step_0007"), and
+  listed as it lists them.
+
   Args:
-    root: The root directory (created on the first write).
+    root: The root directory (created on the first write): a path (made
+      absolute against the current directory), a `file://` URL (becomes a
+      local path) or another URL (`gs://`). `self.root` is the absolute form.
     use_compression: zstd (Orbax's default) or none, for the state's arrays.
     inflight_bytes: Array bytes handed to TensorStore at once.
+    step_prefix: As in `CheckpointManagerOptions` (None: no prefix).
+    step_format_fixed_length: As in `CheckpointManagerOptions` (None or 0:
+      no zero padding).
+
+  Raises:
+    UsageError: An empty root, or naming options Orbax cannot use (see
+      `orbax_root.check_step_naming`).
   """
 
   def __init__(self, root: str, *, use_compression: bool = True,
-               inflight_bytes: int = DEFAULT_INFLIGHT_BYTES):
-    self.root = root
+               inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
+               step_prefix: Optional[str] = None,
+               step_format_fixed_length: Optional[int] = None):
+    orbax_root.check_step_naming(step_prefix, step_format_fixed_length)
+    self.root = layout.absolute(root)
     self.use_compression = use_compression
     self.inflight_bytes = inflight_bytes
+    self.step_prefix = step_prefix
+    self.step_format_fixed_length = step_format_fixed_length
+
+  def step_name(self, step: int) -> str:
+    """The name of `step`'s directory under the root."""
+    return orbax_root.step_name(step, self.step_prefix,
+                                self.step_format_fixed_length)
 
   def _path(self, step: int, item: Optional[str] = None):
     from etils import epath  # pylint: disable=g-import-not-at-top
-    path = epath.Path(self.root) / str(step)
+    path = epath.Path(self.root) / self.step_name(step)
     return path / item if item else path
 
   def steps(self) -> list[int]:
-    return list_steps(self.root)[0]
+    return list_steps(
+        self.root, step_prefix=self.step_prefix,
+        step_format_fixed_length=self.step_format_fixed_length)[0]
 
   def write_step(self, step: int, items: Mapping[str, Any],
-                 on_bytes: Callable[[int], None]) -> None:
+                 on_bytes: Callable[[int], None], *,
+                 saved_at: Optional[float] = None,
+                 custom_metadata: Optional[Mapping[str, Any]] = None,
+                 standard_state: bool = False) -> None:
+    """Writes one step atomically; on failure, nothing of it is left.
+
+    The step's `_CHECKPOINT_METADATA` gets `saved_at` as its commit time
+    (`commit_timestamp_nsecs`: what a `CheckpointManager` reports as the
+    step's time and its retention policies use) and `custom_metadata` (a
+    `CheckpointManager`'s `metadata(step).custom_metadata`), both before
+    Orbax renames the step into place.
+
+    Args:
+      step: The step.
+      items: {STATE_ITEM: tree, METADATA_ITEM: json, [DATASET_ITEM: tree]}.
+      on_bytes: Called with the byte count of each array once written.
+      saved_at: The source's save time (Unix seconds); None: now.
+      custom_metadata: JSON-ready custom metadata of the step.
+      standard_state: The state has a template's structure: Orbax records
+        it as a StandardSave item (`template.standard_state_handler`).
+
+    Raises:
+      UsageError: `saved_at` is not a finite non-negative time.
+      PrivateApiError: This Orbax did not record the commit time as
+        `COMMIT_TIME_API` says (the step is removed again).
+    """
+    commit_nsecs = _commit_nsecs(saved_at)
     try:
-      self._save(step, items, on_bytes)
+      self._save(step, items, on_bytes, commit_nsecs,
+                 None if custom_metadata is None else dict(custom_metadata),
+                 standard_state)
     except BaseException:
       self.remove_partial(step)
       raise
 
   def _save(self, step: int, items: Mapping[str, Any],
-            on_bytes: Callable[[int], None]) -> None:
+            on_bytes: Callable[[int], None], commit_nsecs: Optional[int],
+            custom_metadata: Optional[dict[str, Any]],
+            standard_state: bool = False) -> None:
     """Orbax's own atomic save: a temporary name, then a rename."""
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    from clu_ckpt.migration import template  # pylint: disable=g-import-not-at-top
     storage.makedirs(self.root)
-    state_handler = ocp.handlers.PyTreeCheckpointHandler(
-        use_compression=self.use_compression,
-        type_handler_registry=_type_handlers(self.inflight_bytes, on_bytes))
+    state_handler = (template.standard_state_handler if standard_state else
+                     ocp.handlers.PyTreeCheckpointHandler)(
+                         use_compression=self.use_compression,
+                         type_handler_registry=_type_handlers(
+                             self.inflight_bytes, on_bytes))
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(STATE_ITEM, ocp.args.PyTreeSave, state_handler)
     registry.add(DATASET_ITEM, ocp.args.PyTreeSave,
@@ -169,20 +253,51 @@ class OrbaxTarget(Target):
             METADATA_ITEM: ocp.args.JsonSave(items[METADATA_ITEM])}
     if DATASET_ITEM in items:
       args[DATASET_ITEM] = ocp.args.PyTreeSave(items[DATASET_ITEM])
+    store = None
+    if commit_nsecs is not None:
+      store = _CommitTimeStore(
+          ocp.metadata.metadata_store(enable_write=True, blocking_write=True),
+          commit_nsecs)
     checkpointer = ocp.Checkpointer(
-        ocp.handlers.CompositeCheckpointHandler(handler_registry=registry))
+        ocp.handlers.CompositeCheckpointHandler(handler_registry=registry),
+        checkpoint_metadata_store=store)
     try:
-      checkpointer.save(self._path(step), args=ocp.args.Composite(**args))
+      checkpointer.save(self._path(step), args=ocp.args.Composite(**args),
+                        custom_metadata=custom_metadata)
     finally:
       checkpointer.close()
+    if store is not None and not store.committed:
+      # Listed with the time of writing: not what was asked; undo it.
+      storage.remove_tree(storage.join(self.root, self.step_name(step)))
+      raise errors.PrivateApiError(
+          f"clu_ckpt sets a migrated step's save time through Orbax's "
+          f"{COMMIT_TIME_API}, checked against orbax-checkpoint "
+          f"{', '.join(CHECKED_ORBAX_VERSIONS)}; the installed "
+          f"orbax-checkpoint {orbax_version()} did not call it. Install "
+          f"orbax-checkpoint=={CHECKED_ORBAX_VERSIONS[-1]}.")
 
   def remove_partial(self, step: int) -> None:
     # Through the storage seam: an entry that is a symlink is unlinked, its
     # target never touched.
     if storage.isdir(self.root):
-      prefix = storage.glob_escape(storage.join(self.root, str(step)))
+      prefix = storage.glob_escape(
+          storage.join(self.root, self.step_name(step)))
       for path in storage.glob(f"{prefix}{ORBAX_TMP_MARKER}*"):
         storage.remove_tree(path)
+
+  def discard(self, step: int) -> None:
+    # Renamed to a name Orbax neither lists nor treats as its own temporary
+    # one, then removed: a kill in between leaves an unlisted directory.
+    path = storage.join(self.root, self.step_name(step))
+    if not storage.exists(path):
+      return
+    aside = f"{path}{DISCARDED_MARKER}"
+    try:
+      storage.remove_tree(aside)
+      storage.rename(path, aside)
+    except NotImplementedError:  # stores without rename
+      aside = path
+    storage.remove_tree(aside)
 
   def read_metadata(self, step: int) -> dict[str, Any]:
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
@@ -223,17 +338,81 @@ class OrbaxTarget(Target):
         item, args=ocp.args.PyTreeRestore())
 
 
-def read_metadata(destination: str, step: int) -> dict[str, Any]:
+def read_metadata(destination: str, step: int, *,
+                  step_prefix: Optional[str] = None,
+                  step_format_fixed_length: Optional[int] = None
+                  ) -> dict[str, Any]:
   """The `metadata` item of a migrated step, read through Orbax.
 
   Args:
-    destination: The Orbax root directory.
+    destination: The Orbax root directory (path or URL).
     step: The step.
+    step_prefix: As in `CheckpointManagerOptions`.
+    step_format_fixed_length: As in `CheckpointManagerOptions`.
 
   Returns:
     The metadata (an empty dict when the step has none).
+
+  Raises:
+    UsageError: See `OrbaxTarget`.
   """
-  return OrbaxTarget(destination).read_metadata(step)
+  return OrbaxTarget(
+      destination, step_prefix=step_prefix,
+      step_format_fixed_length=step_format_fixed_length).read_metadata(step)
+
+
+# --------------------------------------------------------------------------
+# The step's save time.
+# --------------------------------------------------------------------------
+
+
+def _commit_nsecs(saved_at: Optional[float]) -> Optional[int]:
+  """`saved_at` (Unix seconds) as Orbax's integer nanoseconds, or None."""
+  if saved_at is None:
+    return None
+  if isinstance(saved_at, bool) or not isinstance(
+      saved_at, (int, float, np.integer, np.floating)) or not (
+          math.isfinite(saved_at) and saved_at >= 0):
+    raise errors.UsageError(
+        f"saved_at {saved_at!r}: must be a finite, non-negative Unix time "
+        "in seconds")
+  return int(round(float(saved_at) * 1e9))
+
+
+class _CommitTimeStore:
+  """Orbax's step metadata store, recording a given commit time.
+
+  Implements `orbax.checkpoint.metadata.MetadataStore` by delegating to
+  Orbax's own store; only an update of `COMMIT_TIME_FIELD` (made once per
+  save, inside the temporary directory, before it is renamed into place)
+  is given `commit_nsecs` instead of the current time.
+  """
+
+  def __init__(self, store: Any, commit_nsecs: int):
+    self._store = store
+    self._commit_nsecs = commit_nsecs
+    self.committed = False  # Whether the commit time went through here.
+
+  def is_blocking_writer(self) -> bool:
+    return self._store.is_blocking_writer()
+
+  def write(self, file_path: Any, metadata: Any) -> None:
+    self._store.write(file_path, metadata)
+
+  def read(self, file_path: Any) -> Any:
+    return self._store.read(file_path)
+
+  def update(self, file_path: Any, **kwargs: Any) -> None:
+    if COMMIT_TIME_FIELD in kwargs:
+      kwargs[COMMIT_TIME_FIELD] = self._commit_nsecs
+      self.committed = True
+    self._store.update(file_path, **kwargs)
+
+  def wait_until_finished(self) -> None:
+    self._store.wait_until_finished()
+
+  def close(self) -> None:
+    self._store.close()
 
 
 # --------------------------------------------------------------------------
@@ -328,8 +507,8 @@ def _bounded_numpy_handler(inflight_bytes: int,
 
     async def _background_serialize(self, values, infos, args=None):
       write_all = super()._background_serialize
-      budget = _ByteBudget(inflight_bytes)
-      trim = _MemoryTrimmer(inflight_bytes)
+      budget = memory.ByteBudget(inflight_bytes)
+      trim = memory.MemoryTrimmer(inflight_bytes)
 
       async def write(value, info, arg):
         try:
@@ -340,7 +519,7 @@ def _bounded_numpy_handler(inflight_bytes: int,
         on_bytes(value.nbytes)
 
       tasks = []
-      prefetch = _Prefetcher(values, 2 * inflight_bytes)
+      prefetch = memory.Prefetcher(values, 2 * inflight_bytes)
       for i, (value, info, arg) in enumerate(
           zip(values, infos, args or [None] * len(values))):
         prefetch.up_to(i)
@@ -349,98 +528,3 @@ def _bounded_numpy_handler(inflight_bytes: int,
       await asyncio.gather(*tasks)
 
   return BoundedNumpyHandler()
-
-
-class _Prefetcher:
-  """Asks the kernel to read memory-mapped arrays ahead of their writing.
-
-  With a cold page cache, TensorStore's threads would otherwise fault the
-  file in page by page. Reading ahead is bounded (`window` bytes beyond the
-  array being admitted) and goes to the page cache, not to process memory.
-  """
-
-  def __init__(self, values: Sequence[Any], window: int):
-    self._values = values
-    self._window = window
-    self._next = 0  # First array not yet prefetched.
-    self._ahead = 0  # Bytes prefetched beyond the current array.
-
-  def up_to(self, current: int) -> None:
-    if current < self._next:
-      self._ahead -= self._values[current].nbytes
-    else:
-      self._next = current
-      self._ahead = 0
-    while self._next < len(self._values) and self._ahead < self._window:
-      value = self._values[self._next]
-      _will_need(value)
-      if self._next > current:
-        self._ahead += value.nbytes
-      self._next += 1
-
-
-def _will_need(arr: Any) -> None:
-  """madvise(WILLNEED) for an array that is a view of an `mmap`."""
-  import mmap  # pylint: disable=g-import-not-at-top
-  base = arr
-  while base is not None and not isinstance(base, mmap.mmap):
-    base = base.obj if isinstance(base, memoryview) else getattr(
-        base, "base", None)
-  if base is None or not hasattr(base, "madvise") or not arr.nbytes:
-    return
-  try:
-    start = (arr.__array_interface__["data"][0] -
-             np.frombuffer(base, np.uint8).__array_interface__["data"][0])
-    aligned = start - start % mmap.PAGESIZE
-    base.madvise(mmap.MADV_WILLNEED, aligned, arr.nbytes + start - aligned)
-  except (ValueError, OSError, AttributeError):
-    pass  # Only a hint.
-
-
-class _MemoryTrimmer:
-  """Returns freed heap memory to the OS every `interval` bytes written.
-
-  TensorStore's compression buffers are allocated and freed from many
-  threads; glibc keeps the freed memory in per-thread arenas, so without
-  `malloc_trim` the resident memory creeps up with the bytes written.
-  """
-
-  def __init__(self, interval: int):
-    self._interval = interval
-    self._pending = 0
-    self._trim = _malloc_trim()
-
-  def written(self, n: int) -> None:
-    self._pending += n
-    if self._trim is not None and self._pending >= self._interval:
-      self._pending = 0
-      self._trim(0)
-
-
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-  try:
-    import ctypes  # pylint: disable=g-import-not-at-top
-    return ctypes.CDLL("libc.so.6").malloc_trim
-  except (OSError, AttributeError):
-    return None  # Not glibc.
-
-
-class _ByteBudget:
-  """Admits work while fewer than `limit` bytes are in flight."""
-
-  def __init__(self, limit: int):
-    self._limit = limit
-    self._used = 0
-    self._cond = asyncio.Condition()
-
-  async def acquire(self, n: int) -> None:
-    async with self._cond:
-      await self._cond.wait_for(
-          lambda: self._used == 0 or self._used + n <= self._limit)
-      self._used += n
-
-  async def release(self, n: int) -> None:
-    async with self._cond:
-      self._used -= n
-      self._cond.notify_all()
-

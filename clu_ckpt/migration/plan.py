@@ -18,6 +18,7 @@ Synopsis::
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -45,9 +46,15 @@ class SourceCheckpoint:
   Attributes:
     number: The checkpoint number.
     prefixes: Host id -> checkpoint prefix (`<dir>/ckpt-<number>`).
+    saved_at: When it was saved (Unix seconds), as the default state host
+      (the lowest host id) knows it: the timestamp TensorFlow's `checkpoint`
+      file records for it (`all_model_checkpoint_timestamps`, parallel to
+      `all_model_checkpoint_paths`) when there is one, else the modification
+      time of its `.flax` file; None when neither can be read.
   """
   number: int
   prefixes: Mapping[int, str]
+  saved_at: Optional[float] = None
 
   @property
   def name(self) -> str:
@@ -88,7 +95,7 @@ def discover(source: str) -> Source:
   Raises:
     MigrationError: No CLU checkpoint is found there.
   """
-  path = normalize(source)
+  path = layout.absolute(source)
   if storage.exists(storage.join(path, layout.STATE_FILENAME)):
     kind, directories = "Checkpoint", {0: path}
   else:
@@ -98,24 +105,38 @@ def discover(source: str) -> Source:
       raise MigrationError(
           f"{path}: no CLU checkpoint here (no `checkpoint` file, and no "
           f"`{os.path.basename(path)}-<host_id>` directories beside it)")
-  kept = {host: _kept_checkpoints(d) for host, d in directories.items()}
+  kept, stamps = {}, {}
+  for host, d in directories.items():
+    kept[host], stamps[host] = _kept_checkpoints(d)
   common = set.intersection(*(set(k) for k in kept.values()))
   every = set().union(*(set(k) for k in kept.values()))
-  checkpoints = [
-      SourceCheckpoint(n, {host: kept[host][n] for host in sorted(kept)})
-      for n in sorted(common)]
+  state_host = min(kept)
+  checkpoints = []
+  for n in sorted(common):
+    prefixes = {host: kept[host][n] for host in sorted(kept)}
+    saved_at = stamps[state_host].get(n)
+    if saved_at is None:
+      saved_at = _modification_time(f"{prefixes[state_host]}.flax")
+    checkpoints.append(SourceCheckpoint(n, prefixes, saved_at))
   return Source(path, kind, dict(sorted(directories.items())), checkpoints,
                 sorted(every - common))
 
 
-def normalize(path: str) -> str:
-  """Normalized, and absolute when local (the metadata records sources)."""
-  path = layout.normpath(path)
-  return os.path.abspath(path) if storage.is_local(path) else path
+def _modification_time(path: str) -> Optional[float]:
+  try:
+    return float(storage.stat(path)[1])
+  except OSError:
+    return None
 
 
-def _kept_checkpoints(directory: str) -> dict[int, str]:
-  """Checkpoint number -> prefix, for what TF's `checkpoint` file keeps.
+def _kept_checkpoints(directory: str
+                      ) -> tuple[dict[int, str], dict[int, float]]:
+  """What TF's `checkpoint` file keeps, and the times it records.
+
+  Returns:
+    (checkpoint number -> prefix, checkpoint number -> recorded timestamp);
+    the timestamps pair with the paths by position, as TensorFlow pairs
+    them; non-finite or negative ones are left out.
 
   Raises:
     MigrationError: The `checkpoint` file cannot be read or parsed, lists a
@@ -127,7 +148,12 @@ def _kept_checkpoints(directory: str) -> dict[int, str]:
   except (OSError, ValueError) as e:
     raise MigrationError(str(e)) from None
   if state is None:
-    return {}
+    return {}, {}
+  recorded = {}
+  for path, stamp in zip(state.all_model_checkpoint_paths,
+                         state.all_model_checkpoint_timestamps):
+    if math.isfinite(stamp) and stamp >= 0:
+      recorded[layout.normpath(path)] = float(stamp)
   paths = list(state.managed_checkpoints())
   if state.model_checkpoint_path not in paths:
     paths.append(state.model_checkpoint_path)
@@ -153,7 +179,8 @@ def _kept_checkpoints(directory: str) -> dict[int, str]:
         except (OSError, ValueError) as e:
           raise MigrationError(str(e)) from None
     kept[parts[1]] = layout.normpath(path)
-  return kept
+  times = {n: recorded[p] for n, p in kept.items() if p in recorded}
+  return kept, times
 
 
 # --------------------------------------------------------------------------
@@ -210,7 +237,7 @@ def state_step(source: Union[str, flax_format.FlaxFile]) -> Optional[int]:
     FlaxFormatError: The file is corrupt.
   """
   if isinstance(source, str):
-    with flax_format.FlaxFile(source) as handle:
+    with flax_format.FlaxFile(source, read_data=False) as handle:
       return state_step(handle)
   leaf = next((l for l in source.leaves if l.path == "/step"), None)
   if leaf is None or leaf.kind not in ("int", "ndarray", "npscalar"):

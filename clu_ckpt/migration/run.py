@@ -1,10 +1,11 @@
 """Running a migration: `migrate`, its results, and `restore_state`.
 
 `migrate` plans (`plan`), then writes, checks or skips one checkpoint at a
-time through a `Target` (`orbax_target.OrbaxTarget`), verifying with
-`verify`. Each checkpoint's `.flax` is opened once, as a
-`flax_format.FlaxFile`, and parsed once: its step, its leaves, the state
-written and the state verified all come from that one parse.
+time through a `Target` (an `orbax_target.OrbaxTarget` unless the caller
+passes its own: `migrate(..., target=...)`), verifying with `verify`. Each
+checkpoint's `.flax` is opened once, as a `flax_format.FlaxFile`, and parsed
+once: its step, its leaves, the state written and the state verified all
+come from that one parse.
 
 Synopsis::
 
@@ -16,6 +17,7 @@ Synopsis::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -28,10 +30,13 @@ from absl import logging
 from clu_ckpt import __version__
 from clu_ckpt import errors
 from clu_ckpt import flax_format
+from clu_ckpt import layout
 from clu_ckpt import storage
 from clu_ckpt.migration import codec
+from clu_ckpt.migration import destination as destination_lib
 from clu_ckpt.migration import orbax_target
 from clu_ckpt.migration import plan
+from clu_ckpt.migration import template as template_lib
 from clu_ckpt.migration import verify as verify_lib
 
 FORMAT = "clu_ckpt.migration/1"
@@ -150,20 +155,51 @@ def migrate(source: str,
             dry_run: bool = False,
             verify: bool = False,
             inflight_bytes: int = orbax_target.DEFAULT_INFLIGHT_BYTES,
-            progress: Optional[ProgressFn] = None) -> MigrationSummary:
+            progress: Optional[ProgressFn] = None,
+            target: Optional[orbax_target.Target] = None,
+            step_prefix: Optional[str] = None,
+            step_format_fixed_length: Optional[int] = None,
+            allow_other_sources: bool = False,
+            template: Any = None) -> MigrationSummary:
   """Migrates a CLU checkpoint directory into an Orbax CheckpointManager root.
 
   Re-running the same call finishes an interrupted migration: steps already
-  in `destination` (from this source and checkpoint) are skipped.
+  in `destination` (from this source and checkpoint) are skipped, and so are
+  checkpoints the destination's manifest records as migrated, even when
+  Orbax has pruned their steps since. The destination is locked for the
+  whole run (see `destination`): a second migration into it raises
+  `DestinationLockedError` naming the holder. A destination holding steps of
+  another source (another migration's, or an Orbax run's own) is refused
+  before anything is written, unless `allow_other_sources`.
 
   Example::
 
     summary = migrate("/runs/a/checkpoints", "/runs/a/orbax", verify=True)
     assert summary.ok, summary.failed
 
+    # Another destination: any `Target` (here an OrbaxTarget that also
+    # reports what it writes); its root is the destination.
+    from clu_ckpt.migration import OrbaxTarget
+
+    class Recording(OrbaxTarget):
+      def write_step(self, step, items, on_bytes, **kwargs):
+        print("writing step", step)
+        super().write_step(step, items, on_bytes, **kwargs)
+
+    target = Recording("/runs/a/orbax", use_compression=False)
+    summary = migrate("/runs/a/checkpoints", "/runs/a/orbax", target=target)
+
+    # The state in the new loop's structure, for
+    # `StandardRestore(abstract_state)` (see `template`).
+    abstract_state = jax.eval_shape(create_train_state, jax.random.key(0))
+    summary = migrate("/runs/a/checkpoints", "/runs/a/orbax",
+                      template=abstract_state)
+
   Args:
-    source: A CLU `Checkpoint` base directory or `MultihostCheckpoint` base.
-    destination: The Orbax root directory (created if needed).
+    source: A CLU `Checkpoint` base directory or `MultihostCheckpoint` base
+      (a path, relative or absolute, or a `file://` URL).
+    destination: The Orbax root directory (created if needed; a path or a
+      `file://` URL).
     checkpoints: "all" kept checkpoints, "latest", or checkpoint number(s).
     step_naming: "auto", "state" (the state's top-level `step`) or "number"
       (the CLU checkpoint number); see `name_steps`.
@@ -175,6 +211,24 @@ def migrate(source: str,
       bit-exactly with the source.
     inflight_bytes: Array bytes handed to TensorStore at once (memory bound).
     progress: Called with a `Progress` as work advances (from any thread).
+    target: Where the steps are written (a `Target`, see `orbax_target`).
+      Default: an `OrbaxTarget` on `destination` with `compression` and
+      `inflight_bytes`. A given target's `root` must be `destination`, and
+      `compression` and `inflight_bytes` must keep their defaults (they
+      configure only the default target: set them on the target itself).
+    step_prefix: Name steps `<step_prefix>_<step>`, as Orbax's
+      `CheckpointManagerOptions(step_prefix=...)` does (default target only).
+    step_format_fixed_length: Zero-pad step numbers to this many digits, as
+      `CheckpointManagerOptions(step_format_fixed_length=...)` does.
+    allow_other_sources: Write into a destination that holds steps of
+      another source (its clashing step numbers still fail one by one).
+    template: The train state the new training loop builds, concrete or
+      abstract (`jax.ShapeDtypeStruct` leaves, e.g. from `jax.eval_shape`):
+      the `state` item is written in its tree structure, as
+      `ocp.args.StandardSave(train_state)` would, with the `.flax` file's
+      values and dtypes (see `template`). None: the Flax state dict.
+      A checkpoint whose leaves differ from the template's (paths, shapes)
+      or need stand-ins fails with a message naming the leaf.
 
   Returns:
     The summary. Checkpoints that could not be migrated (corrupt files,
@@ -182,17 +236,24 @@ def migrate(source: str,
     directory exists for them.
 
   Raises:
-    MigrationError: The source or the options are unusable.
+    MigrationError: The source or the options are unusable (including a
+      `target` with a root other than `destination`, or with `compression`
+      or `inflight_bytes` given too), or the destination holds another
+      source's steps.
+    DestinationLockedError: Another migration is writing to `destination`.
   """
   if compression not in COMPRESSIONS:
     raise MigrationError(f"unknown compression {compression!r}; use one of "
                          f"{', '.join(COMPRESSIONS)}")
+  destination = layout.absolute(destination)
+  if target is not None:
+    _check_target(target, destination, compression, inflight_bytes,
+                  step_prefix, step_format_fixed_length)
   src = plan.discover(source)
   if state_host is not None and state_host not in src.host_directories:
     raise MigrationError(f"--state-host {state_host}: no such host in "
                          f"{src.path} (hosts: {sorted(src.host_directories)})")
   chosen = plan.select(src, checkpoints)
-  destination = plan.normalize(destination)
   notify = progress or (lambda _: None)
 
   results: dict[int, StepResult] = {}
@@ -203,7 +264,9 @@ def migrate(source: str,
   for ckpt in chosen:
     try:
       host = _state_host(src, state_host)
-      handle = flax_format.FlaxFile(ckpt.flax_path(host))
+      # Only the headers and `step` now; array data is read ahead as it is
+      # written.
+      handle = flax_format.FlaxFile(ckpt.flax_path(host), read_data=False)
       steps[ckpt.number] = plan.state_step(handle)
       if len(handles) < _KEPT_HANDLES and storage.is_local(handle.path):
         handles[ckpt.number] = handle
@@ -219,14 +282,23 @@ def migrate(source: str,
     for number, result in results.items():
       notify(Progress("failed", number, result.step, message=result.error))
 
-    target = orbax_target.OrbaxTarget(destination,
-                                      use_compression=compression == "zstd",
-                                      inflight_bytes=inflight_bytes)
-    writer = _Writer(src, target, naming, mapping, state_host, notify)
-    existing = writer.existing_steps()
-    for ckpt in usable:
-      results[ckpt.number] = writer.run(ckpt, handles.pop(ckpt.number, None),
-                                        existing, dry_run, verify)
+    if target is None:
+      target = orbax_target.OrbaxTarget(
+          destination, use_compression=compression == "zstd",
+          inflight_bytes=inflight_bytes, step_prefix=step_prefix,
+          step_format_fixed_length=step_format_fixed_length)
+    writer = _Writer(src, target, naming, mapping, state_host, notify,
+                     template)
+    with _locked(destination, dry_run):
+      manifest = destination_lib.read_manifest(destination)
+      existing = writer.existing_steps()
+      manifest.check_source(
+          src.path, allow_other_sources=allow_other_sources,
+          foreign_steps=writer.foreign_steps(existing, manifest))
+      for ckpt in usable:
+        results[ckpt.number] = writer.run(
+            ckpt, handles.pop(ckpt.number, None), existing, manifest,
+            dry_run, verify)
   finally:
     for handle in handles.values():
       handle.close()
@@ -234,6 +306,37 @@ def migrate(source: str,
   return MigrationSummary(src.path, destination, src.kind,
                           sorted(src.host_directories), naming, ordered,
                           src.not_on_all_hosts, dry_run)
+
+
+def _locked(destination: str, dry_run: bool):
+  """The destination's lock (none for a dry run, which writes nothing)."""
+  if dry_run:
+    return contextlib.nullcontext()
+  return destination_lib.lock(destination)
+
+
+def _check_target(target: orbax_target.Target, destination: str,
+                  compression: str, inflight_bytes: int,
+                  step_prefix: Optional[str],
+                  step_format_fixed_length: Optional[int]) -> None:
+  """Refuses a `target` that `migrate`'s other arguments contradict."""
+  if not isinstance(target, orbax_target.Target):
+    raise MigrationError(f"target {target!r} is not an "
+                         "orbax_target.Target")
+  root = getattr(target, "root", None)
+  if not isinstance(root, str) or layout.absolute(root) != destination:
+    raise MigrationError(f"target writes to {root!r}, not to the destination "
+                         f"{destination!r}; pass its root as destination")
+  given = [f"{name}={value!r}" for name, value, default in (
+      ("compression", compression, "zstd"),
+      ("inflight_bytes", inflight_bytes, orbax_target.DEFAULT_INFLIGHT_BYTES),
+      ("step_prefix", step_prefix, None),
+      ("step_format_fixed_length", step_format_fixed_length, None))
+           if value != default]
+  if given:
+    raise MigrationError(f"{', '.join(given)} configure the default "
+                         "OrbaxTarget only; with target=..., set them on the "
+                         "target")
 
 
 def _state_host(src: plan.Source, state_host: Optional[int]) -> int:
@@ -248,8 +351,10 @@ class _Writer:
 
   def __init__(self, src: plan.Source, target: orbax_target.Target,
                naming: str, mapping: dict[int, int],
-               state_host: Optional[int], notify: ProgressFn):
+               state_host: Optional[int], notify: ProgressFn,
+               template: Any = None):
     self.src = src
+    self.template = template
     self.target = target
     self.destination = target.root
     self.naming = naming
@@ -260,18 +365,47 @@ class _Writer:
   def existing_steps(self) -> set[int]:
     return set(self.target.steps())
 
+  def foreign_steps(self, existing: set[int],
+                    manifest: destination_lib.Manifest) -> dict[int, str]:
+    """The existing steps that are not this source's, with what they hold.
+
+    Steps without clu_ckpt metadata are an Orbax run's own: foreign in a
+    root this source was never migrated into, the training that went on
+    from the migrated steps in one it was.
+    """
+    ours = {r["step"] for r in manifest.recorded(self.src.path).values()}
+    continued = self.src.path in manifest.sources
+    foreign = {}
+    for step in sorted(existing - ours):
+      meta = self.target.read_metadata(step)
+      if not meta:
+        if not continued:
+          foreign[step] = "no clu_ckpt metadata (an Orbax run's own step?)"
+      elif meta.get("source") != self.src.path:
+        foreign[step] = f"checkpoint of {meta.get('source')!r}"
+    return foreign
+
   def run(self, ckpt: plan.SourceCheckpoint,
           handle: Optional[flax_format.FlaxFile], existing: set[int],
-          dry_run: bool, verify: bool) -> StepResult:
+          manifest: destination_lib.Manifest, dry_run: bool,
+          verify: bool) -> StepResult:
     """Migrates one checkpoint; `handle` is its open `.flax` (or None)."""
     step = self.mapping[ckpt.number]
     result = StepResult(ckpt.number, step, "planned")
     start = time.time()
+    written = False
     try:
       host = _state_host(self.src, self.state_host)
       if handle is None:
-        handle = flax_format.FlaxFile(ckpt.flax_path(host))
+        handle = flax_format.FlaxFile(ckpt.flax_path(host), read_data=False)
       result.nbytes = handle.nbytes
+      record = manifest.recorded(self.src.path).get(ckpt.number)
+      if record is not None and record["step"] not in existing:
+        result.step, result.status = record["step"], "skipped"
+        self.notify(Progress("skipped", ckpt.number, record["step"],
+                             result.nbytes, message="recorded as migrated; "
+                             "its step has been removed since"))
+        return result
       if step in existing:
         self._check_existing(ckpt, step)
         result.status = "skipped"
@@ -279,12 +413,17 @@ class _Writer:
       elif not dry_run:
         self.notify(Progress("start", ckpt.number, step, result.nbytes))
         self._write(ckpt, step, host, handle)
+        written = True
         result.status = "migrated"
         self.notify(Progress("done", ckpt.number, step, result.nbytes))
       if verify and not dry_run:
-        verify_lib.verify_step(self.target, step, ckpt, host, handle)
+        self._verify(ckpt, step, host, handle, manifest)
         result.verified = True
         self.notify(Progress("verified", ckpt.number, step))
+      if not dry_run and (written or record is None or
+                          (verify and not record.get("verified"))):
+        manifest.record(self.src.path, ckpt.number, ckpt.name, step,
+                        kind=self.src.kind, verified=result.verified)
     except Exception as e:  # pylint: disable=broad-except
       # Whatever goes wrong with one checkpoint, the others still migrate.
       logging.debug("checkpoint %d failed", ckpt.number, exc_info=True)
@@ -293,8 +432,32 @@ class _Writer:
     finally:
       if handle is not None:
         handle.close()
-    result.seconds = time.time() - start
+      result.seconds = time.time() - start
     return result
+
+  def _verify(self, ckpt: plan.SourceCheckpoint, step: int, host: int,
+              handle: flax_format.FlaxFile,
+              manifest: destination_lib.Manifest) -> None:
+    """Verifies a step; one that differs from its source is taken away.
+
+    It leaves Orbax's listing (moved aside, then removed) and the manifest,
+    so that the next run writes it again. A source that cannot be read is
+    only reported: the step is kept.
+    """
+    try:
+      verify_lib.verify_step(self.target, step, ckpt, host, handle)
+    except errors.VerificationError as e:
+      logging.warning("step %d of %s failed verification (%s); removing it "
+                      "so that the next run writes it again", step,
+                      self.destination, describe_error(e))
+      try:
+        self.target.discard(step)
+        manifest.forget(self.src.path, ckpt.number)
+      except Exception as cleanup:  # pylint: disable=broad-except
+        raise MigrationError(
+            f"{describe_error(e)}; and step {step} could not be removed "
+            f"({describe_error(cleanup)}): remove it by hand") from e
+      raise
 
   def _check_existing(self, ckpt: plan.SourceCheckpoint, step: int) -> None:
     meta = self.target.read_metadata(step)
@@ -309,6 +472,7 @@ class _Writer:
           f"{meta.get('clu_checkpoint_number')!r}); choose another destination "
           "or --step-naming")
 
+
   def _write(self, ckpt: plan.SourceCheckpoint, step: int, host: int,
              handle: flax_format.FlaxFile) -> None:
     compared = self.state_host is None and len(ckpt.prefixes) > 1
@@ -320,12 +484,28 @@ class _Writer:
     state, encodings = codec.encode_state(handle.tree)
     meta = self._metadata(ckpt, step, host, compared, handle.leaves,
                           encodings, tf_state, dataset)
+    extra = {}
+    if self.template is not None:
+      state = template_lib.from_template(self.template, state, encodings)
+      meta["structure"] = template_lib.STRUCTURE
+      meta["template_type"] = template_lib.type_name(self.template)
+      extra["standard_state"] = True
     items = {orbax_target.STATE_ITEM: state,
              orbax_target.METADATA_ITEM: meta}
     if dataset is not None:
       items[orbax_target.DATASET_ITEM] = dataset
     on_bytes = lambda n: self.notify(Progress("bytes", ckpt.number, step, n))
-    self.target.write_step(step, items, on_bytes)
+    self.target.write_step(step, items, on_bytes, saved_at=ckpt.saved_at,
+                           custom_metadata=self._custom_metadata(ckpt),
+                           **extra)
+
+  def _custom_metadata(self, ckpt: plan.SourceCheckpoint) -> dict[str, Any]:
+    """The step's Orbax custom metadata: where it came from."""
+    return {"clu_ckpt": {
+        "source": self.src.path, "clu_checkpoint": ckpt.name,
+        "clu_checkpoint_number": ckpt.number,
+        "hosts": sorted(self.src.host_directories),
+        "clu_ckpt_version": __version__}}
 
   def _metadata(self, ckpt, step, host, compared, leaves, encodings, tf_state,
                 dataset) -> dict[str, Any]:
@@ -391,15 +571,26 @@ def describe_error(e: BaseException) -> str:
   return f"{type(e).__name__}: {line}"
 
 
-def restore_state(destination: str, step: Optional[int] = None) -> Any:
+def restore_state(destination: str, step: Optional[int] = None, *,
+                  step_prefix: Optional[str] = None,
+                  step_format_fixed_length: Optional[int] = None) -> Any:
   """Restores a migrated step's state exactly as the source `.flax` held it.
 
   Stock Orbax returns stand-ins for the few leaves it cannot hold (see
-  `encode_state`); this undoes them.
+  `encode_state`); this undoes them. A step written with a template (its
+  state in the train state's structure) is returned as the Flax state dict
+  too: its sequences become dicts keyed "0", "1", ... again.
+
+  Example::
+
+    state = restore_state("/runs/a/orbax")            # the latest step
+    params = restore_state("orbax", 7000)["params"]   # relative paths work
 
   Args:
-    destination: The Orbax root directory.
+    destination: The Orbax root directory (a path or a `file://` URL).
     step: The step; default the latest.
+    step_prefix: As given to `migrate` (steps named `<prefix>_<step>`).
+    step_format_fixed_length: As given to `migrate`.
 
   Returns:
     The Flax state dict.
@@ -407,7 +598,10 @@ def restore_state(destination: str, step: Optional[int] = None) -> Any:
   Raises:
     FileNotFoundError: There is no such step.
   """
-  target = orbax_target.OrbaxTarget(destination)
+  destination = layout.absolute(destination)
+  target = orbax_target.OrbaxTarget(
+      destination, step_prefix=step_prefix,
+      step_format_fixed_length=step_format_fixed_length)
   steps = target.steps()
   if step is None and steps:
     step = steps[-1]
@@ -415,5 +609,8 @@ def restore_state(destination: str, step: Optional[int] = None) -> Any:
     raise errors.CheckpointNotFoundError(
         f"{destination}: no step {step} (steps: {steps})")
   stored, meta = target.restore(step)
-  return codec.decode_state(stored, meta.get("encoded", {}),
+  encodings = meta.get("encoded", {})
+  if template_lib.written_with_template(meta):
+    stored = template_lib.state_dict_form(stored, encodings.get("order"))
+  return codec.decode_state(stored, encodings,
                             [leaf["path"] for leaf in meta.get("leaves", [])])

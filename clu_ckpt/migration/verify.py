@@ -16,7 +16,7 @@ Synopsis::
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -26,8 +26,10 @@ from clu_ckpt import storage
 from clu_ckpt.migration import codec
 from clu_ckpt.migration import orbax_target
 from clu_ckpt.migration import plan
+from clu_ckpt.migration import template as template_lib
 
 MigrationError = errors.MigrationError
+VerificationError = errors.VerificationError
 
 # Bytes of leaves restored at once by `verify`.
 _VERIFY_BATCH_BYTES = 256 * 2**20
@@ -41,7 +43,10 @@ def verify_step(destination: Any, step: int, ckpt: plan.SourceCheckpoint,
 
   The state is restored through stock Orbax in batches of leaves (bounded
   memory) and compared with the memory-mapped source; every host's
-  TensorFlow files with the `dataset` item.
+  TensorFlow files with the `dataset` item. A step written with a template
+  (`template`) is compared leaf by leaf too, each of its leaves matched
+  with the source's by its Flax keys (a sequence's positions are "0", "1",
+  ...).
 
   Args:
     destination: The Orbax root directory, or a `Target`.
@@ -51,7 +56,9 @@ def verify_step(destination: Any, step: int, ckpt: plan.SourceCheckpoint,
     source: That `.flax` file, open (else it is opened and parsed here).
 
   Raises:
-    MigrationError: Something differs or is missing.
+    VerificationError: Something differs, is missing, or cannot be read
+      back from the step (a `MigrationError`).
+    MigrationError, OSError: The source cannot be read.
   """
   target = (destination if isinstance(destination, orbax_target.Target) else
             orbax_target.OrbaxTarget(destination))
@@ -59,43 +66,71 @@ def verify_step(destination: Any, step: int, ckpt: plan.SourceCheckpoint,
     with flax_format.FlaxFile(ckpt.flax_path(host)) as handle:
       return verify_step(target, step, ckpt, host, handle)
   if step not in target.steps():
-    raise MigrationError(f"verify: Orbax does not list step {step} in "
+    raise VerificationError(f"verify: Orbax does not list step {step} in "
                          f"{target.root}")
-  encodings = target.read_metadata(step).get("encoded", {})
+  meta = _read_back(step, target.read_metadata, step)
+  encodings = meta.get("encoded", {})
   state = source.tree
-  tree = target.state_layout(step)
+  tree = _read_back(step, target.state_layout, step)
   expected = list(_verify_units(codec.encode_state(state)[0], ()))
-  present = set(_verify_units(tree, ()))
-  missing = [k for k in expected if k not in present]
-  if missing or len(present) != len(expected):
+  if template_lib.written_with_template(meta):
+    # Flax keys -> keys in the item (list positions are ints there).
+    stored = dict(template_lib.stored_units(tree))
+    subtree = lambda paths: template_lib.sequence_subtree(
+        tree, paths, _placeholder)
+  else:
+    stored = {keys: keys for keys in _verify_units(tree, ())}
+    subtree = lambda paths: _subtree(tree, paths)
+  missing = [k for k in expected if k not in stored]
+  if missing or len(stored) != len(expected):
     where = _path(missing[0]) if missing else "(extra leaves)"
-    raise MigrationError(f"verify: step {step} does not hold the same leaves "
+    raise VerificationError(f"verify: step {step} does not hold the same leaves "
                          f"as {ckpt.flax_path(host)}: {where}")
-  for batch in _batches(expected, tree, _VERIFY_BATCH_BYTES):
-    restored = target.restore_leaves(step, _subtree(tree, batch))
-    for keys in batch:
-      got = codec.decode(_get(restored, keys), _path(keys), encodings)
+  flax_keys = {stored_keys: keys for keys, stored_keys in stored.items()}
+  for batch in _batches([stored[k] for k in expected], tree,
+                        _VERIFY_BATCH_BYTES):
+    restored = _read_back(step, target.restore_leaves, step, subtree(batch))
+    for stored_keys in batch:
+      keys = flax_keys[stored_keys]
+      got = codec.decode_subtree(_get(restored, stored_keys), keys, encodings)
       if not same_leaf(got, _get(state, keys)):
-        raise MigrationError(f"verify: step {step} leaf {_path(keys)} differs "
+        raise VerificationError(f"verify: step {step} leaf {_path(keys)} differs "
                              f"from {ckpt.flax_path(host)}")
   _verify_dataset(target, step, ckpt)
   return None
 
 
+def _read_back(step: int, read: Callable[..., Any], *args: Any) -> Any:
+  """`read(*args)` of the step; a step Orbax cannot read back fails it."""
+  try:
+    return read(*args)
+  except errors.CluCkptError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise VerificationError(f"verify: step {step} cannot be read back: "
+                            f"{first}") from e
+
+
+def _placeholder() -> Any:
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return ocp.PLACEHOLDER
+
+
 def _verify_dataset(target: orbax_target.Target, step: int,
                     ckpt: plan.SourceCheckpoint) -> None:
   expected, _ = plan.dataset_tree(ckpt)
-  stored = target.restore_dataset(step)
+  stored = _read_back(step, target.restore_dataset, step)
   if expected is None:
     if stored is not None:
-      raise MigrationError(f"verify: step {step} has an unexpected dataset")
+      raise VerificationError(f"verify: step {step} has an unexpected dataset")
     return
   stored = stored or {}
   for key, files in expected.items():
     got = stored.get(key, {})
     if set(got) != set(files) or not all(
         np.array_equal(np.asarray(got[s]), files[s]) for s in files):
-      raise MigrationError(f"verify: step {step} dataset/{key} differs from "
+      raise VerificationError(f"verify: step {step} dataset/{key} differs from "
                            f"the TensorFlow files of {ckpt.prefixes}")
 
 
@@ -209,7 +244,7 @@ def _subtree(tree: Any, paths: Sequence[tuple]) -> Any:
 
 
 def _path(keys: Sequence[Any]) -> str:
-  return "/" + "/".join(str(k) for k in keys)
+  return codec.describe_path(keys)
 
 
 def _get(tree: Any, keys: Sequence[Any]) -> Any:

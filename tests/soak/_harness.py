@@ -34,7 +34,7 @@ any change to library code. EVENT is
 optionally scoped with `@module:qualname` (only while inside that function)
 and `!module:qualname` (only while not inside it), e.g.
 `py:clu_ckpt.storage:remove@clu_ckpt.checkpoint:Checkpoint.save` and
-`!clu_ckpt.checkpoint:Checkpoint._delete_future_checkpoints`.
+`!clu_ckpt.save_protocol:delete_future_checkpoints`.
 
 The parent side (`run_child`, `KILL_POINTS`, `expected_numbers`) is used by
 the soak scripts and by tests/test_reliability.py.
@@ -241,6 +241,7 @@ def finish(summary: dict[str, Any], workdir: Path, keep: bool) -> int:
 # --------------------------------------------------------------------------
 
 _CKPT = "clu_ckpt.checkpoint:Checkpoint"
+_FUTURE = "clu_ckpt.save_protocol:delete_future_checkpoints"
 _TFCM = "tensorflow.python.checkpoint.checkpoint_management"
 _SAVE_FILE = "@clu_ckpt.flax_format:save_file"
 _STATE = f"@{_TFCM}:update_checkpoint_state_internal"
@@ -287,7 +288,7 @@ class KillPoint:
 KILL_POINTS = [
     # Inside the .flax write (temporary file, fsync, rename, directory fsync).
     KillPoint("flax_write", f"c:os.open{_SAVE_FILE}", 2, False),
-    KillPoint("flax_write", "py:clu_ckpt.flax_format:_Sink.large", 4, False),
+    KillPoint("flax_write", "py:clu_ckpt.flax_encode:_Sink.large", 4, False),
     KillPoint("flax_write", f"c:os.write{_SAVE_FILE}", 1, False),
     KillPoint("flax_write", f"c:os.fsync{_SAVE_FILE}", 2, False),
     KillPoint("flax_write", f"c:os.replace{_SAVE_FILE}", 1, False),
@@ -314,19 +315,19 @@ KILL_POINTS = [
               f"py:tensorflow.python.lib.io.file_io:rename{_STATE}", 2, True,
               odd=False),
     KillPoint("pruning", f"c:os.remove@{_CKPT}.save"
-              f"!{_CKPT}._delete_future_checkpoints", 1, True),
+              f"!{_FUTURE}", 1, True),
     # Files of numbers after the restored one are being removed before a
     # save (uncommitted leftovers, or a host's own newer checkpoints after it
     # restored the common one): first the state file that unlists them (only
     # when some are listed), then each file.
-    KillPoint("future_cleanup", f"py:{_CKPT}._delete_future_checkpoints", 1,
+    KillPoint("future_cleanup", f"py:{_FUTURE}", 1,
               False, needs_future=True),
     KillPoint("future_cleanup",
               f"py:tensorflow.python.lib.io.file_io:rename{_STATE}"
-              f"@{_CKPT}._delete_future_checkpoints", 1, False,
+              f"@{_FUTURE}", 1, False,
               needs_future=True),
     KillPoint("future_cleanup",
-              f"c:os.remove@{_CKPT}._delete_future_checkpoints", 3, False,
+              f"c:os.remove@{_FUTURE}", 3, False,
               needs_future=True),
 ]
 

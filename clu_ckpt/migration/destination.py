@@ -1,0 +1,341 @@
+"""The destination of a migration as a fleet shares it: a lock and a manifest.
+
+Two files in the Orbax root, beside the steps, which Orbax does not list (it
+lists only names that parse as steps):
+
+- `.clu_ckpt.lock`: held for the whole of a migration. A second migration
+  into the same root stops at once with `DestinationLockedError`, naming the
+  holder (host, pid, since). Locally the lock is `flock(2)` on that file: the
+  kernel releases it when the holder exits, however it dies (`kill -9`
+  included), so a lock left by a killed process is simply taken over; the
+  file only says who holds it. On NFS, `flock` is carried by the server's
+  byte-range locks. Stores without such a lock (`gs://` through TensorFlow)
+  get a warning and no lock: run one migration per destination there.
+- `clu_ckpt_manifest.json`: which source the root was migrated from, and each
+  checkpoint migrated with its step. A root holding another source's steps
+  (or steps of no migration at all: an Orbax run's own) is refused before
+  anything is written, unless other sources are allowed; a checkpoint
+  recorded as migrated is never written again, even when Orbax has since
+  pruned its step (`max_to_keep`). It is replaced atomically (temporary
+  file, fsync, rename) after each step is committed: a kill in between
+  leaves a finished step the manifest does not name yet, which the next run
+  recognises by its metadata and records.
+
+Synopsis::
+
+  from clu_ckpt.migration import destination
+
+  with destination.lock("/runs/a/orbax"):
+    manifest = destination.read_manifest("/runs/a/orbax")
+    manifest.check_source("/runs/a/checkpoints", allow_other_sources=False)
+    if 7 not in manifest.recorded("/runs/a/checkpoints"):
+      ...  # write checkpoint 7 as step 7000
+      manifest.record("/runs/a/checkpoints", 7, "ckpt-7", 7000)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import json
+import os
+import socket
+import stat
+from typing import Any, Iterator, Mapping, Optional
+
+from absl import logging
+
+from clu_ckpt import errors
+from clu_ckpt import storage
+
+LOCK_NAME = ".clu_ckpt.lock"
+MANIFEST_NAME = "clu_ckpt_manifest.json"
+MANIFEST_FORMAT = "clu_ckpt.manifest/1"
+# A manifest names a few hundred bytes per checkpoint; anything larger than
+# this is not one of ours.
+MAX_MANIFEST_BYTES = 64 * 2**20
+# What a holder writes into the lock file (JSON) is at most this long.
+_MAX_HOLDER_BYTES = 4096
+
+MigrationError = errors.MigrationError
+DestinationLockedError = errors.DestinationLockedError
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds")
+
+
+# --------------------------------------------------------------------------
+# The lock.
+# --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def lock(root: str) -> Iterator[dict]:
+  """Holds the destination's lock for the duration of the block.
+
+  Example::
+
+    with lock("/runs/a/orbax") as holder:
+      print("migrating as", holder["host"], holder["pid"])
+
+  Args:
+    root: The Orbax root (created if missing).
+
+  Yields:
+    What this process recorded as the holder: host, pid, since.
+
+  Raises:
+    DestinationLockedError: Another migration holds it (names the holder).
+    MigrationError: The lock file is a symlink or not a regular file.
+  """
+  storage.makedirs(root)
+  if not storage.is_local(root):
+    logging.warning("%s: this store has no lock; make sure no other "
+                    "migration writes into it at the same time", root)
+    yield {}
+    return
+  path = storage.join(root, LOCK_NAME)
+  fd = _open_lock_file(path)
+  try:
+    _flock_or_raise(fd, path, root)
+    previous = _read_holder(fd)
+    if previous:
+      logging.info("%s: taking over the lock last held by host %s, pid %s "
+                   "(since %s), which has ended", root, previous.get("host"),
+                   previous.get("pid"), previous.get("since"))
+    holder = {"host": socket.gethostname(), "pid": os.getpid(),
+              "since": _now()}
+    _write_holder(fd, holder)
+    try:
+      yield holder
+    finally:
+      with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+  finally:
+    os.close(fd)  # releases the flock
+
+
+def _open_lock_file(path: str) -> int:
+  from clu_ckpt import local_fs  # pylint: disable=g-import-not-at-top
+  local = local_fs.local_path(path)
+  flags = (os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+           | getattr(os, "O_NOFOLLOW", 0))
+  try:
+    fd = os.open(local, flags, 0o644)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise MigrationError(f"{path}: the lock file is a symlink; refused "
+                           "(remove it if nothing is migrating)") from e
+    raise
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise MigrationError(f"{path}: the lock file is not a regular file; "
+                         "refused (remove it if nothing is migrating)")
+  return fd
+
+
+def _flock_or_raise(fd: int, path: str, root: str) -> None:
+  import fcntl  # pylint: disable=g-import-not-at-top
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+      raise
+    holder = _read_holder(fd)
+    who = (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
+           f"since {holder.get('since', '?')}") if holder else "a process "
+    raise DestinationLockedError(
+        f"{root}: another migration is writing here ({who.strip()}; lock "
+        f"{path}); wait for it, or stop it", holder) from None
+
+
+def _read_holder(fd: int) -> dict:
+  try:
+    data = os.pread(fd, _MAX_HOLDER_BYTES, 0)
+    holder = json.loads(data.decode("utf-8")) if data.strip() else {}
+  except (OSError, ValueError):
+    return {}
+  return holder if isinstance(holder, dict) else {}
+
+
+def _write_holder(fd: int, holder: Mapping[str, Any]) -> None:
+  data = json.dumps(holder).encode("utf-8")
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, data, 0)
+  with contextlib.suppress(OSError):
+    os.fsync(fd)
+
+
+# --------------------------------------------------------------------------
+# The manifest.
+# --------------------------------------------------------------------------
+
+
+class Manifest:
+  """The record of what was migrated into a root (see the module doc).
+
+  On disk (JSON)::
+
+    {"format": "clu_ckpt.manifest/1",
+     "sources": [{"path": "/runs/a/checkpoints", "kind": "Checkpoint",
+                  "checkpoints": [{"number": 7, "name": "ckpt-7",
+                                   "step": 7000, "migrated_at": "...",
+                                   "verified": true}, ...]}]}
+
+  Example::
+
+    manifest = read_manifest("/runs/a/orbax")
+    done = manifest.recorded("/runs/a/checkpoints")   # {7: {...}, ...}
+  """
+
+  def __init__(self, root: str, data: Optional[dict] = None):
+    self.root = root
+    self.path = storage.join(root, MANIFEST_NAME)
+    self.data = data or {"format": MANIFEST_FORMAT, "sources": []}
+
+  @property
+  def sources(self) -> list[str]:
+    """The source paths recorded, in the order they were first migrated."""
+    return [s["path"] for s in self.data["sources"]]
+
+  def _source(self, source: str) -> Optional[dict]:
+    for entry in self.data["sources"]:
+      if entry["path"] == source:
+        return entry
+    return None
+
+  def recorded(self, source: str) -> dict[int, dict]:
+    """Checkpoint number -> its record, for the checkpoints of `source`."""
+    entry = self._source(source)
+    if entry is None:
+      return {}
+    return {c["number"]: c for c in entry["checkpoints"]}
+
+  def check_source(self, source: str, *, allow_other_sources: bool,
+                   foreign_steps: Mapping[int, str] = ()) -> None:
+    """Refuses a root that holds another source's steps.
+
+    Args:
+      source: The source being migrated (normalized path).
+      allow_other_sources: Accept them anyway (steps of two runs in one
+        root); clashing step numbers still fail one by one.
+      foreign_steps: Steps already in the root that are not this source's,
+        with what they hold (from their metadata), for the message.
+
+    Raises:
+      MigrationError: The manifest names another source, or `foreign_steps`
+        is not empty, and other sources are not allowed.
+    """
+    if allow_other_sources:
+      return
+    others = [s for s in self.sources if s != source]
+    if others:
+      raise MigrationError(
+          f"{self.root}: already holds the migration of {others[0]} (see "
+          f"{self.path}); choose another destination, or allow other "
+          "sources (--allow-other-sources)")
+    if foreign_steps:
+      step, what = sorted(foreign_steps.items())[0]
+      raise MigrationError(
+          f"{self.root}: holds {len(foreign_steps)} step(s) that are not "
+          f"from {source} (step {step}: {what}); choose another "
+          "destination, or allow other sources (--allow-other-sources)")
+
+  def record(self, source: str, number: int, name: str, step: int, *,
+             kind: str = "", verified: bool = False) -> None:
+    """Records a migrated checkpoint and writes the manifest atomically.
+
+    Raises:
+      OSError: The manifest could not be written (names it).
+    """
+    entry = self._source(source)
+    if entry is None:
+      entry = {"path": source, "kind": kind, "checkpoints": []}
+      self.data["sources"].append(entry)
+    entry["checkpoints"] = [c for c in entry["checkpoints"]
+                            if c["number"] != number]
+    entry["checkpoints"].append({"number": number, "name": name,
+                                 "step": step, "migrated_at": _now(),
+                                 "verified": verified})
+    entry["checkpoints"].sort(key=lambda c: c["number"])
+    self.save()
+
+  def forget(self, source: str, number: int) -> None:
+    """Drops a checkpoint's record (its step failed verification).
+
+    Raises:
+      OSError: The manifest could not be written (names it).
+    """
+    entry = self._source(source)
+    if entry is None:
+      return
+    kept = [c for c in entry["checkpoints"] if c["number"] != number]
+    if len(kept) != len(entry["checkpoints"]):
+      entry["checkpoints"] = kept
+      self.save()
+
+  def save(self) -> None:
+    """Replaces the manifest file atomically."""
+    data = json.dumps(self.data, indent=1).encode("utf-8")
+    with storage.atomic_writer(self.path) as write:
+      write(data)
+
+
+def read_manifest(root: str) -> Manifest:
+  """The root's manifest (an empty one when the root has none yet).
+
+  Example::
+
+    read_manifest("/runs/a/orbax").sources   # ["/runs/a/checkpoints"]
+
+  Args:
+    root: The Orbax root.
+
+  Returns:
+    The manifest.
+
+  Raises:
+    MigrationError: The manifest is not a regular file, too large, not JSON,
+      or not a clu_ckpt manifest (names the file and what is wrong).
+  """
+  manifest = Manifest(root)
+  path = manifest.path
+  if not storage.exists(path):
+    return manifest
+  try:
+    storage.check_regular_file(path)
+    size, _ = storage.stat(path)
+    if size > MAX_MANIFEST_BYTES:
+      raise MigrationError(f"{path}: {size} bytes, not a clu_ckpt manifest "
+                           f"(at most {MAX_MANIFEST_BYTES})")
+    data = json.loads(storage.read_bytes(path).decode("utf-8"))
+  except (OSError, ValueError) as e:
+    raise MigrationError(f"{path}: unreadable manifest: {e}") from e
+  problem = _manifest_problem(data)
+  if problem:
+    raise MigrationError(f"{path}: not a clu_ckpt manifest ({problem}); "
+                         "move it away if it is not needed")
+  manifest.data = data
+  return manifest
+
+
+def _manifest_problem(data: Any) -> Optional[str]:
+  if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+    return f"format is not {MANIFEST_FORMAT!r}"
+  sources = data.get("sources")
+  if not isinstance(sources, list):
+    return "no list of sources"
+  for source in sources:
+    if not isinstance(source, dict) or not isinstance(source.get("path"), str):
+      return "a source without a path"
+    checkpoints = source.get("checkpoints")
+    if not isinstance(checkpoints, list):
+      return f"source {source['path']}: no list of checkpoints"
+    for c in checkpoints:
+      if not (isinstance(c, dict) and type(c.get("number")) is int and
+              type(c.get("step")) is int):
+        return f"source {source['path']}: a checkpoint without number/step"
+  return None

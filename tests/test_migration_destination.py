@@ -1,0 +1,242 @@
+"""Tests of clu_ckpt.migration.destination: the lock and the manifest."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from clu_ckpt import errors
+from clu_ckpt.migration import destination
+
+_HOLD = textwrap.dedent("""
+    import sys, time
+    from clu_ckpt.migration import destination
+    with destination.lock(sys.argv[1]):
+      print("held", flush=True)
+      time.sleep(float(sys.argv[2]))
+    print("released", flush=True)
+""")
+
+
+def _holder(root, seconds=60.0):
+  """A child process holding the lock of `root` until it is told to go."""
+  child = subprocess.Popen([sys.executable, "-c", _HOLD, str(root),
+                            str(seconds)], stdout=subprocess.PIPE, text=True)
+  assert child.stdout.readline().strip() == "held"
+  return child
+
+
+def test_second_locker_is_refused_naming_the_holder(tmp_path):
+  child = _holder(tmp_path)
+  try:
+    with pytest.raises(errors.DestinationLockedError) as e:
+      with destination.lock(str(tmp_path)):
+        pass
+    assert f"pid {child.pid}" in str(e.value)
+    assert "since 20" in str(e.value)
+    assert e.value.holder["pid"] == child.pid
+    assert isinstance(e.value, errors.MigrationError)
+  finally:
+    child.kill()
+    child.wait()
+
+
+def test_lock_of_a_killed_process_is_taken_over(tmp_path):
+  child = _holder(tmp_path)
+  os.kill(child.pid, signal.SIGKILL)
+  child.wait()
+  # The file still names the dead holder; the kernel released its flock.
+  recorded = json.loads((tmp_path / destination.LOCK_NAME).read_text())
+  assert recorded["pid"] == child.pid
+  with destination.lock(str(tmp_path)) as holder:
+    assert holder["pid"] == os.getpid()
+    on_disk = json.loads((tmp_path / destination.LOCK_NAME).read_text())
+    assert on_disk["pid"] == os.getpid()
+
+
+def test_lock_is_released_after_the_block_and_on_error(tmp_path):
+  with pytest.raises(RuntimeError):
+    with destination.lock(str(tmp_path)):
+      raise RuntimeError("boom")
+  with destination.lock(str(tmp_path)):
+    pass
+  child = _holder(tmp_path, seconds=0.0)
+  assert child.stdout.readline().strip() == "released"
+  assert child.wait() == 0
+
+
+def test_two_lockers_in_one_process_exclude_each_other(tmp_path):
+  with destination.lock(str(tmp_path)):
+    with pytest.raises(errors.DestinationLockedError):
+      with destination.lock(str(tmp_path)):
+        pass
+
+
+def test_symlinked_lock_file_is_refused_and_target_untouched(tmp_path):
+  outside = tmp_path / "outside"
+  outside.write_text("precious")
+  root = tmp_path / "root"
+  root.mkdir()
+  (root / destination.LOCK_NAME).symlink_to(outside)
+  with pytest.raises(errors.MigrationError, match="symlink"):
+    with destination.lock(str(root)):
+      pass
+  assert outside.read_text() == "precious"
+
+
+def test_fifo_lock_file_is_refused_without_hanging(tmp_path):
+  os.mkfifo(tmp_path / destination.LOCK_NAME)
+  start = time.monotonic()
+  with pytest.raises(errors.MigrationError, match="not a regular file"):
+    with destination.lock(str(tmp_path)):
+      pass
+  assert time.monotonic() - start < 5
+
+
+def test_manifest_round_trip(tmp_path):
+  manifest = destination.read_manifest(str(tmp_path))
+  assert manifest.sources == []
+  manifest.record("/runs/a", 3, "ckpt-3", 300, kind="Checkpoint")
+  manifest.record("/runs/a", 1, "ckpt-1", 100, verified=True)
+  again = destination.read_manifest(str(tmp_path))
+  assert again.sources == ["/runs/a"]
+  recorded = again.recorded("/runs/a")
+  assert sorted(recorded) == [1, 3]
+  assert recorded[3]["step"] == 300 and recorded[1]["verified"] is True
+  assert again.recorded("/runs/b") == {}
+  # Written atomically: no temporary file is left beside it.
+  assert sorted(os.listdir(tmp_path)) == [destination.MANIFEST_NAME]
+
+
+def test_other_source_is_refused_unless_allowed(tmp_path):
+  manifest = destination.read_manifest(str(tmp_path))
+  manifest.record("/runs/a", 1, "ckpt-1", 1)
+  manifest.check_source("/runs/a", allow_other_sources=False)
+  with pytest.raises(errors.MigrationError, match="/runs/a") as e:
+    manifest.check_source("/runs/b", allow_other_sources=False)
+  assert "--allow-other-sources" in str(e.value)
+  manifest.check_source("/runs/b", allow_other_sources=True)
+
+
+def test_foreign_steps_are_refused_unless_allowed(tmp_path):
+  manifest = destination.read_manifest(str(tmp_path))
+  with pytest.raises(errors.MigrationError, match="step 5: an Orbax step"):
+    manifest.check_source("/runs/a", allow_other_sources=False,
+                          foreign_steps={5: "an Orbax step", 9: "x"})
+  manifest.check_source("/runs/a", allow_other_sources=True,
+                        foreign_steps={5: "an Orbax step"})
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b"not json", "unreadable"),
+    (b"[]", "format"),
+    (json.dumps({"format": destination.MANIFEST_FORMAT}).encode(),
+     "no list of sources"),
+    (json.dumps({"format": destination.MANIFEST_FORMAT, "sources": [
+        {"path": "/a", "checkpoints": [{"number": "1", "step": 1}]}]}
+               ).encode(), "without number/step"),
+])
+def test_damaged_manifest_is_refused_naming_it(tmp_path, content, problem):
+  (tmp_path / destination.MANIFEST_NAME).write_bytes(content)
+  with pytest.raises(errors.MigrationError, match=problem) as e:
+    destination.read_manifest(str(tmp_path))
+  assert destination.MANIFEST_NAME in str(e.value)
+
+
+def test_manifest_that_is_a_fifo_is_refused(tmp_path):
+  os.mkfifo(tmp_path / destination.MANIFEST_NAME)
+  with pytest.raises(errors.MigrationError, match="unreadable"):
+    destination.read_manifest(str(tmp_path))
+
+
+# --------------------------------------------------------------------------
+# Real migrations: two at once, and kills at any moment.
+# --------------------------------------------------------------------------
+
+
+def _source(tmp_path, count=4, mib=8):
+  """A CLU directory written by the real clu, `count` checkpoints of ~`mib`."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  n = mib * 2**20 // 4 // 4
+  states = [{"step": np.int64(i), "w": {str(j): rng.standard_normal(n).astype(
+      np.float32) for j in range(4)}} for i in range(1, count + 1)]
+  clu_save(tmp_path / "src", states, max_to_keep=count)
+  return tmp_path / "src"
+
+
+def _migrate(src, dst, *args):
+  return subprocess.Popen(
+      [sys.executable, "-m", "clu_ckpt", "migrate", str(src), str(dst),
+       "--compression", "none", *args],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _assert_listed_steps_restore_exactly(src, dst):
+  """Every step Orbax lists restores bit-exactly (through stock Orbax)."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  from migration_helpers import same_tree  # pylint: disable=g-import-not-at-top
+  if not dst.exists():
+    return 0
+  with ocp.CheckpointManager(dst) as mngr:
+    steps = list(mngr.all_steps())
+  for step in steps:
+    expected = flax_format.load_file(str(src / f"ckpt-{step}.flax"))
+    assert same_tree(migration.restore_state(str(dst), step), expected), step
+  return len(steps)
+
+
+def test_two_migrations_at_once_one_waits_out(tmp_path):
+  src = _source(tmp_path)
+  dst = tmp_path / "dst"
+  holder = _holder(dst)   # the "first" migration, holding the lock
+  try:
+    second = _migrate(src, dst, "--step-naming", "number")
+    out, err = second.communicate(timeout=300)
+    assert second.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert f"pid {holder.pid}" in lines[0] and "another migration" in lines[0]
+  finally:
+    holder.kill()
+    holder.wait()
+  assert sorted(os.listdir(dst)) == [destination.LOCK_NAME]
+  rerun = _migrate(src, dst, "--step-naming", "number")
+  _, err = rerun.communicate(timeout=300)
+  assert rerun.returncode == 0, err
+  assert _assert_listed_steps_restore_exactly(src, dst) == 4
+
+
+def test_killed_migrations_never_leave_a_bad_listed_step(tmp_path):
+  import random  # pylint: disable=g-import-not-at-top
+  src = _source(tmp_path)
+  dst = tmp_path / "dst"
+  rng = random.Random(7)
+  for _ in range(4):
+    # Two migrations race; one is killed at a random moment.
+    a = _migrate(src, dst, "--step-naming", "number")
+    b = _migrate(src, dst, "--step-naming", "number")
+    time.sleep(rng.uniform(0.5, 4.0))
+    victim, other = (a, b) if rng.random() < 0.5 else (b, a)
+    victim.kill()
+    victim.communicate()
+    _, err = other.communicate(timeout=300)
+    # The survivor either finished (0) or found the lock held (1, one line).
+    assert other.returncode in (0, 1), err
+    if other.returncode == 1:
+      assert "another migration" in err and len(err.strip().splitlines()) == 1
+    _assert_listed_steps_restore_exactly(src, dst)
+  final = _migrate(src, dst, "--step-naming", "number", "--verify")
+  _, err = final.communicate(timeout=300)
+  assert final.returncode == 0, err
+  assert _assert_listed_steps_restore_exactly(src, dst) == 4
+  leftovers = [n for n in os.listdir(dst) if "tmp" in n or "discarded" in n]
+  assert leftovers == []

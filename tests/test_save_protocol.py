@@ -1,0 +1,295 @@
+"""Tests for `clu_ckpt.save_protocol`: crash safety around TensorFlow's commit.
+
+Real TensorFlow managers on real files in `tmp_path`; `.flax` files are
+stand-ins (the protocol never reads them).
+"""
+
+import errno
+import logging
+import os
+import pathlib
+
+import pytest
+import tensorflow as tf
+
+from clu_ckpt import errors
+from clu_ckpt import layout
+from clu_ckpt import save_protocol
+from clu_ckpt import storage
+from clu_ckpt import tf_manager
+
+
+def _setup(directory: pathlib.Path, saves: int, max_to_keep: int = 5):
+  """A manager with `saves` committed checkpoints, each with a `.flax`."""
+  directory.mkdir(exist_ok=True)
+  tf_checkpoint = tf.train.Checkpoint(v=tf.Variable(1))
+  manager = tf_manager.new_manager(tf_checkpoint, str(directory),
+                                   max_to_keep=max_to_keep,
+                                   checkpoint_name="ckpt")
+  for _ in range(saves):
+    number = int(tf_checkpoint.save_counter.numpy()) + 1
+    (directory / f"ckpt-{number}.flax").write_bytes(b"flax")
+    manager.save()
+  return tf_checkpoint, manager
+
+
+def _names(directory: pathlib.Path) -> set[str]:
+  return set(os.listdir(directory))
+
+
+def _listed(directory: pathlib.Path) -> tuple[str, list[str]]:
+  state = layout.read_checkpoint_state(str(directory))
+  return (os.path.basename(state.model_checkpoint_path),
+          [os.path.basename(p) for p in state.all_model_checkpoint_paths])
+
+
+def _files_of(number: int) -> set[str]:
+  return {f"ckpt-{number}{ext}" for ext in
+          (".flax", ".index", ".data-00000-of-00001")}
+
+
+# --------------------------------------------------------------------------
+# sweep_debris
+# --------------------------------------------------------------------------
+
+
+def test_sweep_removes_debris_but_never_a_checkpoint_with_its_index(tmp_path):
+  _, manager = _setup(tmp_path, saves=4, max_to_keep=2)  # keeps 3, 4
+  debris = {"ckpt-1.flax",             # pruned: no .index any more
+            "ckpt-1.flax.tmp-x1",      # a killed .flax write, below oldest
+            "ckpt-3_temp",             # TensorFlow's unfinished write
+            "checkpoint.tmp1234"}      # TensorFlow's temporary state file
+  kept = {"ckpt-2.flax", "ckpt-2.index",  # has its .index: never touched
+          "ckpt-5_temp",                  # after the latest: not ours yet
+          "ckpt-3.flax.tmp-x2",           # not below the oldest kept
+          "notes.txt", "other-1.flax"}
+  for name in debris | kept:
+    if name.endswith("_temp"):
+      (tmp_path / name).mkdir()
+      (tmp_path / name / "part").write_bytes(b"x")
+    else:
+      (tmp_path / name).write_bytes(b"x")
+  before = _names(tmp_path)
+  save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
+  assert _names(tmp_path) == before - debris
+  assert _files_of(3) | _files_of(4) | kept <= _names(tmp_path)
+
+
+def test_sweep_without_checkpoints_touches_nothing(tmp_path):
+  _, manager = _setup(tmp_path, saves=0)
+  (tmp_path / "ckpt-1.flax").write_bytes(b"x")
+  (tmp_path / "ckpt-1_temp").mkdir()
+  save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
+  assert _names(tmp_path) == {"ckpt-1.flax", "ckpt-1_temp"}
+
+
+def test_sweep_failure_is_only_logged(tmp_path, monkeypatch, caplog):
+  _, manager = _setup(tmp_path, saves=2, max_to_keep=1)
+  (tmp_path / "ckpt-1.flax").write_bytes(b"x")
+
+  def failing_remove(path):
+    raise OSError(errno.EROFS, "Read-only file system", path)
+
+  monkeypatch.setattr(storage, "remove", failing_remove)
+  with caplog.at_level(logging.WARNING):
+    save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
+  assert f"Could not remove leftovers in {tmp_path}" in caplog.text
+  assert (tmp_path / "ckpt-1.flax").exists()
+
+
+# --------------------------------------------------------------------------
+# delete_future_checkpoints
+# --------------------------------------------------------------------------
+
+
+def test_future_checkpoints_are_the_numbers_after_current(tmp_path):
+  _, manager = _setup(tmp_path, saves=4)
+  (tmp_path / "ckpt-5.flax").write_bytes(b"x")  # uncommitted leftover
+  (tmp_path / "ckpt-7.flax").write_bytes(b"x")  # unlisted, after a gap
+  future = save_protocol.future_checkpoints(manager, str(tmp_path), "ckpt", 2)
+  assert {os.path.basename(c): {os.path.basename(p) for p in paths}
+          for c, paths in future.items()} == {
+              "ckpt-3": _files_of(3), "ckpt-4": _files_of(4),
+              "ckpt-5": {"ckpt-5.flax"}}
+
+
+def test_future_checkpoints_include_listed_ones_after_a_gap(tmp_path):
+  _, manager = _setup(tmp_path, saves=4)
+  for name in _files_of(3):
+    (tmp_path / name).unlink()
+  future = save_protocol.future_checkpoints(manager, str(tmp_path), "ckpt", 2)
+  assert sorted(future) == [f"{tmp_path}/ckpt-3", f"{tmp_path}/ckpt-4"]
+  assert future[f"{tmp_path}/ckpt-3"] == []
+
+
+def test_future_checkpoints_are_unlisted_before_their_files_go(
+    tmp_path, monkeypatch):
+  _, manager = _setup(tmp_path, saves=4)
+  (tmp_path / "ckpt-5_temp").mkdir()
+  (tmp_path / "ckpt-7.flax").write_bytes(b"x")
+  removed = []
+  remove, remove_tree = storage.remove, storage.remove_tree
+
+  def checked(real):
+    def call(path):
+      # Every file goes only once the state file no longer lists it.
+      latest, listed = _listed(tmp_path)
+      assert (latest, listed) == ("ckpt-2", ["ckpt-1", "ckpt-2"]), path
+      removed.append(os.path.basename(path))
+      real(path)
+    return call
+
+  monkeypatch.setattr(storage, "remove", checked(remove))
+  monkeypatch.setattr(storage, "remove_tree", checked(remove_tree))
+  save_protocol.delete_future_checkpoints(manager, str(tmp_path), "ckpt", 2)
+  assert set(removed) == _files_of(3) | _files_of(4) | {"ckpt-5_temp"}
+  assert _names(tmp_path) == ({"checkpoint", "ckpt-7.flax"} | _files_of(1) |
+                              _files_of(2))
+  assert manager.checkpoints == [f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2"]
+  assert manager.latest_checkpoint == f"{tmp_path}/ckpt-2"
+
+
+def test_future_checkpoints_from_zero_remove_the_state_file(tmp_path):
+  _, manager = _setup(tmp_path, saves=2)
+  save_protocol.delete_future_checkpoints(manager, str(tmp_path), "ckpt", 0)
+  assert _names(tmp_path) == set()
+  assert manager.latest_checkpoint is None
+
+
+def test_no_future_checkpoints_leaves_everything(tmp_path):
+  _, manager = _setup(tmp_path, saves=2)
+  before = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+  save_protocol.delete_future_checkpoints(manager, str(tmp_path), "ckpt", 2)
+  assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+
+
+# --------------------------------------------------------------------------
+# committed, failed_commit, commit
+# --------------------------------------------------------------------------
+
+
+def test_committed(tmp_path):
+  assert save_protocol.committed(str(tmp_path), f"{tmp_path}/ckpt-1") is False
+  _setup(tmp_path, saves=2)
+  assert save_protocol.committed(str(tmp_path), f"{tmp_path}/ckpt-2") is True
+  assert save_protocol.committed(str(tmp_path), f"{tmp_path}/ckpt-3") is False
+  (tmp_path / "checkpoint").write_bytes(
+      b'model_checkpoint_path: "caf\xc3\xa9\xff"\n')
+  assert save_protocol.committed(str(tmp_path), f"{tmp_path}/ckpt-2") is None
+
+
+def _failed_write(tmp_path, tf_checkpoint, number):
+  """What a TensorFlow write that failed before its commit leaves."""
+  tf_checkpoint.save_counter.assign_add(1)
+  (tmp_path / f"ckpt-{number}.flax").write_bytes(b"flax")
+  (tmp_path / f"ckpt-{number}.index").write_bytes(b"partial")
+  (tmp_path / f"ckpt-{number}_temp").mkdir()
+
+
+def test_failed_commit_undoes_an_uncommitted_save(tmp_path):
+  tf_checkpoint, _ = _setup(tmp_path, saves=2)
+  _failed_write(tmp_path, tf_checkpoint, 3)
+  rereads = []
+  error = tf.errors.ResourceExhaustedError(None, None,
+                                           "No space left on device")
+  got = save_protocol.failed_commit(
+      tf_checkpoint, str(tmp_path), f"{tmp_path}/ckpt-3", 2, error,
+      reread=lambda: rereads.append(1))
+  assert isinstance(got, errors.CheckpointWriteError)
+  assert got.errno == errno.ENOSPC and got.filename == f"{tmp_path}/ckpt-3"
+  assert f"Could not write checkpoint {tmp_path}/ckpt-3; earlier " \
+         "checkpoints are intact" in str(got)
+  assert int(tf_checkpoint.save_counter.numpy()) == 2
+  assert _names(tmp_path) == {"checkpoint"} | _files_of(1) | _files_of(2)
+  assert rereads == [1]
+
+
+def test_failed_commit_after_the_commit_keeps_the_checkpoint(tmp_path):
+  tf_checkpoint, _ = _setup(tmp_path, saves=3)
+  before = _names(tmp_path)
+  error = OSError(errno.EIO, "Input/output error")
+  got = save_protocol.failed_commit(
+      tf_checkpoint, str(tmp_path), f"{tmp_path}/ckpt-3", 2, error,
+      reread=lambda: None)
+  assert "ckpt-3 was committed, but removing older" in str(got)
+  assert int(tf_checkpoint.save_counter.numpy()) == 3
+  assert _names(tmp_path) == before
+
+
+def test_failed_commit_with_an_unreadable_state_file_touches_nothing(
+    tmp_path):
+  tf_checkpoint, _ = _setup(tmp_path, saves=2)
+  _failed_write(tmp_path, tf_checkpoint, 3)
+  (tmp_path / "checkpoint").write_bytes(b'model_checkpoint_path: "\xff"\n')
+  before = _names(tmp_path)
+  got = save_protocol.failed_commit(
+      tf_checkpoint, str(tmp_path), f"{tmp_path}/ckpt-3", 2,
+      OSError(errno.EIO, "Input/output error"), reread=lambda: None)
+  assert f"nor read {tmp_path}/checkpoint" in str(got)
+  assert int(tf_checkpoint.save_counter.numpy()) == 3
+  assert _names(tmp_path) == before
+
+
+def test_failed_commit_returns_other_errors_as_they_are(tmp_path, caplog):
+  tf_checkpoint, _ = _setup(tmp_path, saves=1)
+  _failed_write(tmp_path, tf_checkpoint, 2)
+  error = ValueError("the iterator cannot be saved")
+
+  def failing_reread():
+    raise OSError(errno.EMFILE, "Too many open files")
+
+  with caplog.at_level(logging.WARNING):
+    got = save_protocol.failed_commit(
+        tf_checkpoint, str(tmp_path), f"{tmp_path}/ckpt-2", 1, error,
+        reread=failing_reread)
+  assert got is error
+  assert f"Could not re-read {tmp_path} after a failed save" in caplog.text
+  assert int(tf_checkpoint.save_counter.numpy()) == 1
+  assert _names(tmp_path) == {"checkpoint"} | _files_of(1)
+
+
+def test_commit_writes_and_commits(tmp_path):
+  tf_checkpoint, manager = _setup(tmp_path, saves=1)
+  (tmp_path / "ckpt-2.flax").write_bytes(b"flax")
+  save_protocol.commit(manager, tf_checkpoint, str(tmp_path),
+                       f"{tmp_path}/ckpt-2", reread=pytest.fail)
+  assert _listed(tmp_path) == ("ckpt-2", ["ckpt-1", "ckpt-2"])
+  assert _files_of(2) <= _names(tmp_path)
+
+
+def test_commit_undoes_a_failed_write_and_raises_an_os_error(
+    tmp_path, monkeypatch):
+  tf_checkpoint, manager = _setup(tmp_path, saves=1)
+  cause = tf.errors.ResourceExhaustedError(None, None,
+                                           "No space left on device")
+
+  def failing_save():
+    _failed_write(tmp_path, tf_checkpoint, 2)
+    raise cause
+
+  monkeypatch.setattr(manager, "save", failing_save)
+  rereads = []
+  with pytest.raises(errors.CheckpointWriteError) as raised:
+    save_protocol.commit(manager, tf_checkpoint, str(tmp_path),
+                         f"{tmp_path}/ckpt-2", reread=lambda: rereads.append(1))
+  assert raised.value.__cause__ is cause
+  assert raised.value.errno == errno.ENOSPC
+  assert int(tf_checkpoint.save_counter.numpy()) == 1
+  assert _names(tmp_path) == {"checkpoint"} | _files_of(1)
+  assert rereads == [1]
+
+
+def test_commit_reraises_other_errors_unchanged(tmp_path, monkeypatch):
+  tf_checkpoint, manager = _setup(tmp_path, saves=1)
+  cause = ValueError("the iterator cannot be saved")
+
+  def failing_save():
+    tf_checkpoint.save_counter.assign_add(1)
+    raise cause
+
+  monkeypatch.setattr(manager, "save", failing_save)
+  with pytest.raises(ValueError) as raised:
+    save_protocol.commit(manager, tf_checkpoint, str(tmp_path),
+                         f"{tmp_path}/ckpt-2", reread=lambda: None)
+  assert raised.value is cause
+  assert int(tf_checkpoint.save_counter.numpy()) == 1
