@@ -36,6 +36,7 @@ setup(
         "msgpack>=1.0",
         "ml_dtypes>=0.3",
         "absl-py>=1.0",
+        "tqdm>=4.60",
     ],
     extras_require={
         "tf": _TF,

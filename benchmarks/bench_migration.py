@@ -1,10 +1,14 @@
-"""Benchmarks CLU -> Orbax migration against the naive path.
+"""Benchmarks CLU -> Orbax migration against the naive path (issue 13 item 10).
 
 Synopsis::
 
-  python benchmarks/bench_migration.py --size_gib 2 --runs 3
+  python benchmarks/bench_migration.py --size_gib 2 --runs 3 --json out.json
+  python benchmarks/bench_migration.py --from_json out.json   # report again
   python benchmarks/bench_migration.py --size_gib 26 --runs 1 \
       --methods clu_ckpt_zstd            # a checkpoint larger than RAM
+  # Two trees (or settings) side by side in one run:
+  python benchmarks/bench_migration.py --tree before=/tmp/e54 \
+      --methods naive,clu_ckpt_zstd%before,clu_ckpt_zstd,clu_ckpt_zstd@64
 
 It writes a CLU checkpoint directory of about `--size_gib` GiB (one
 checkpoint: float32 parameters and bfloat16 optimizer moments in arrays of at
@@ -15,18 +19,36 @@ migrates it several times, each in a fresh process, with each method:
   `CheckpointManager.save(step, args=Composite(state=StandardSave(...)))`
   (zstd, Orbax's default);
 - `clu_ckpt_zstd` / `clu_ckpt_none`: `clu_ckpt.migration.migrate` with
-  zstd / no compression (all items: state, dataset, metadata).
+  zstd / no compression (all items: state, dataset, metadata). A suffix
+  `@N` passes `inflight_bytes=N MiB`; a suffix `%LABEL` runs the child with
+  `PYTHONPATH=<path of --tree LABEL=path>`, so that `clu_ckpt` is imported
+  from that tree (the child reports the `clu_ckpt.__file__` it used).
 
-Before every run the source files are dropped from the page cache
-(`posix_fadvise(DONTNEED)`), so reads come from disk. Each child process
-imports its libraries, records its RssAnon (anonymous resident memory, not
-the page cache) as the baseline, then samples RssAnon every 5 ms while it
-works. Reported per method: median wall time of the migration, median peak
-RssAnon above the baseline (also as a fraction of the checkpoint size), and
-the destination's size on disk.
+Each round runs, in this order and each in a fresh process: the disk
+measurement (`dd`), then every method once. Before every migration the
+source files are dropped from the page cache (`posix_fadvise(DONTNEED)`), so
+reads come from disk. The disk worker imports what a migration child
+imports, then runs `dd if=/dev/zero of=<workdir>/ddtest bs=64M count=N
+oflag=direct conv=fdatasync` (N*64 MiB >= the checkpoint; the disk's
+O_DIRECT write bandwidth, the reference of item 10), the same write through
+the page cache (`conv=fdatasync` only) and `dd if=<source .flax> of=/dev/null
+bs=64M iflag=direct` (the disk's O_DIRECT read of the source). Each
+migration child imports its libraries, records its RssAnon (anonymous
+resident memory, not the page cache) as the baseline, then samples RssAnon
+every 5 ms while it works.
+
+Reported per method (medians over `--runs`): wall time; the ratio naive /
+method; throughput as source bytes / time and as destination bytes / time,
+the latter (the bytes the destination holds, i.e. what had to be written) as
+a fraction of the O_DIRECT write bandwidth measured in the same run; extra
+peak RssAnon, as a fraction of the checkpoint size and of naive's; and
+whether each target of issue 13 item 10 is met: speed >= 3x naive, or >= 0.8
+of the O_DIRECT write bandwidth where a slow disk caps the ratio; extra peak
+RssAnon <= 0.1x naive's. MB/s are 10^6 bytes per second, as dd prints them.
 """
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -44,8 +66,19 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", "/tmp/clu_ckpt_bench", "Where source and outputs are written.")
 _METHODS = flags.DEFINE_list(
     "methods", ["naive", "clu_ckpt_zstd", "clu_ckpt_none"],
-    "Methods to run.")
+    "Methods to run: naive, clu_ckpt_zstd, clu_ckpt_none; clu_ckpt_* take "
+    "the suffixes @<inflight MiB> and %<tree label>.")
+_TREES = flags.DEFINE_multi_string(
+    "tree", [], "LABEL=PATH: methods ending in %LABEL import clu_ckpt from "
+    "PATH (PYTHONPATH of the child).")
+_DISK = flags.DEFINE_bool("disk", True, "Measure the disk with dd per round.")
+_JSON = flags.DEFINE_string("json", None, "Also write every run's figures.")
+_FROM_JSON = flags.DEFINE_string(
+    "from_json", None, "Print the report of an earlier --json file again.")
 _KEEP = flags.DEFINE_bool("keep", False, "Keep the source after the runs.")
+_WARM = flags.DEFINE_bool(
+    "warm", False, "Diagnosis only: read the source into the page cache "
+    "before each run instead of dropping it (no disk reads).")
 _CHILD = flags.DEFINE_string("child", None, "Internal: run one method.")
 _SOURCE = flags.DEFINE_string("source", None, "Internal: source directory.")
 _DEST = flags.DEFINE_string("dest", None, "Internal: destination directory.")
@@ -162,9 +195,33 @@ def _drop_page_cache(directory: str) -> None:
       os.close(fd)
 
 
-def _du(directory: str) -> int:
-  return sum(os.path.getsize(os.path.join(root, f))
-             for root, _, files in os.walk(directory) for f in files)
+
+def _du(directory: str) -> tuple[int, int]:
+  """(sum of file sizes, bytes allocated on disk) under `directory`."""
+  size = blocks = 0
+  for root, _, files in os.walk(directory):
+    for f in files:
+      st = os.lstat(os.path.join(root, f))
+      size += st.st_size
+      blocks += st.st_blocks * 512
+  return size, blocks
+
+
+_MB = 10**6
+_SPEED_RATIO_TARGET = 3.0
+_WRITE_SHARE_TARGET = 0.8
+_MEMORY_TARGET = 0.1
+
+
+def _parse_method(spec: str) -> tuple[str, str | None, str | None]:
+  """`base[@MiB][%tree]` -> (base, inflight MiB or None, tree or None)."""
+  base, _, tree = spec.partition("%")
+  base, _, inflight = base.partition("@")
+  if base not in ("naive", "clu_ckpt_zstd", "clu_ckpt_none"):
+    raise ValueError(f"unknown method {spec!r}")
+  if base == "naive" and (inflight or tree):
+    raise ValueError(f"naive takes no suffix: {spec!r}")
+  return base, inflight or None, tree or None
 
 
 # --------------------------------------------------------------------------
@@ -173,7 +230,10 @@ def _du(directory: str) -> int:
 
 
 def _child(method: str, source: str, dest: str) -> dict:
-  if method == "naive":
+  if method == "dd":
+    return _child_dd(source, dest)
+  base, inflight, _ = _parse_method(method)
+  if base == "naive":
     import flax.serialization  # pylint: disable=g-import-not-at-top
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     baseline = _rss_anon()
@@ -188,23 +248,67 @@ def _child(method: str, source: str, dest: str) -> dict:
             state=ocp.args.StandardSave(state)))
         mngr.wait_until_finished()
       seconds = time.perf_counter() - start
+    module = None
   else:
     import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
     import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    import clu_ckpt  # pylint: disable=g-import-not-at-top
     from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
-    compression = method.rsplit("_", 1)[1]
+    module = clu_ckpt.__file__
+    compression = base.rsplit("_", 1)[1]
+    kwargs = {}
+    if inflight:
+      kwargs["inflight_bytes"] = int(float(inflight) * 2**20)
     baseline = _rss_anon()
     cpu = _cpu_seconds()
     with _PeakSampler() as sampler:
       start = time.perf_counter()
-      summary = migration.migrate(source, dest, compression=compression)
+      summary = migration.migrate(source, dest, compression=compression,
+                                  **kwargs)
       seconds = time.perf_counter() - start
       read = 0.0
     if not summary.ok:
       raise RuntimeError(f"migration failed: {summary.failed}")
   return {"method": method, "seconds": seconds, "read_seconds": read,
           "cpu_seconds": _cpu_seconds() - cpu, "baseline": baseline,
-          "peak_above_baseline": sampler.peak - baseline}
+          "peak_above_baseline": sampler.peak - baseline,
+          "clu_ckpt_file": module}
+
+
+def _dd(*operands: str) -> tuple[int, float]:
+  """Runs dd; (bytes, seconds) from its summary line."""
+  done = subprocess.run(["dd", *operands], capture_output=True, text=True,
+                        check=True)
+  for line in done.stderr.splitlines():
+    if " copied, " in line:
+      return (int(line.split()[0]),
+              float(line.split(" copied, ")[1].split()[0]))
+  raise RuntimeError(f"unexpected dd output: {done.stderr!r}")
+
+
+def _child_dd(source: str, dest: str) -> dict:
+  """The disk's figures, in a process set up like a migration child."""
+  import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
+  import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  flax_file = _flax_file(source)
+  count = max(1, math.ceil(os.path.getsize(flax_file) / (64 * 2**20)))
+  os.makedirs(dest, exist_ok=True)
+  path = os.path.join(dest, "ddtest")
+  result = {"method": "dd", "dd_count_64mib": count}
+  try:
+    n, s = _dd("if=/dev/zero", f"of={path}", "bs=64M", f"count={count}",
+               "oflag=direct", "conv=fdatasync")
+    result["direct_write_mb_s"] = n / s / _MB
+    os.unlink(path)
+    n, s = _dd("if=/dev/zero", f"of={path}", "bs=64M", f"count={count}",
+               "conv=fdatasync")
+    result["buffered_write_mb_s"] = n / s / _MB
+  finally:
+    if os.path.exists(path):
+      os.unlink(path)
+  n, s = _dd(f"if={flax_file}", "of=/dev/null", "bs=64M", "iflag=direct")
+  result["source_direct_read_mb_s"] = n / s / _MB
+  return result
 
 
 def _cpu_seconds() -> float:
@@ -213,28 +317,154 @@ def _cpu_seconds() -> float:
   return t.user + t.system
 
 
-def _run_once(method: str, source: str, dest: str) -> dict:
+def _run_once(method: str, source: str, dest: str, trees: dict) -> dict:
   shutil.rmtree(dest, ignore_errors=True)
-  _drop_page_cache(source)
+  if _WARM.value and method != "dd":
+    for name in os.listdir(source):
+      with open(os.path.join(source, name), "rb") as f:
+        while f.read(64 * 2**20):
+          pass
+  else:
+    _drop_page_cache(source)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  tree = None if method == "dd" else _parse_method(method)[2]
+  if tree:
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (trees[tree], env.get("PYTHONPATH")) if p)
   out = subprocess.run(
       [sys.executable, os.path.abspath(__file__), f"--child={method}",
        f"--source={source}", f"--dest={dest}"],
-      check=True, capture_output=True, text=True,
-      env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+      check=True, capture_output=True, text=True, env=env, cwd="/")
   result = json.loads(out.stdout.strip().splitlines()[-1])
-  result["dest_bytes"] = _du(dest)
+  if method != "dd":
+    result["dest_bytes"], result["dest_disk_bytes"] = _du(dest)
   shutil.rmtree(dest, ignore_errors=True)
   return result
 
 
-def _print_speedup(method: str, naive: list, runs: list) -> None:
-  median = lambda rs, key: statistics.median(r[key] for r in rs)
-  overall = median(naive, "seconds") / median(runs, "seconds")
-  paired = [n["seconds"] / r["seconds"] for n, r in zip(naive, runs)]
-  cpu = median(naive, "cpu_seconds") / median(runs, "cpu_seconds")
-  print(f"speed-up of {method} over naive: {overall:.2f}x (medians); "
-        f"per round median {statistics.median(paired):.2f}x, range "
-        f"{min(paired):.2f}-{max(paired):.2f}; CPU time {cpu:.2f}x less")
+# --------------------------------------------------------------------------
+# The report.
+# --------------------------------------------------------------------------
+
+
+def _median(runs: list, key: str) -> float:
+  return statistics.median(r[key] for r in runs)
+
+
+def _met(ok: bool) -> str:
+  return "yes" if ok else "**no**"
+
+
+def _copy_limit(size: float, out: float, read: float, write: float) -> float:
+  """Seconds to read `size` and then write `out` bytes at dd's O_DIRECT
+  speeds (MB/s): a lower bound for a migration whose source and destination
+  share one disk that does not overlap reads and writes."""
+  return size / _MB / read + out / _MB / write
+
+
+def report(data: dict) -> str:
+  """The markdown report of a run (`data` as written by --json)."""
+  size = data["size_bytes"]
+  results = data["results"]
+  disk = data.get("disk") or []
+  lines = []
+  meta = data.get("meta", {})
+  lines.append(
+      f"Checkpoint {size / _GIB:.2f} GiB; median of {data['runs']} fresh "
+      f"process(es) per method; page cache of the source dropped before "
+      f"each; {meta.get('cpus', '?')} CPUs, 1-minute load average "
+      f"{meta.get('load_start', float('nan')):.1f} at the start, "
+      f"{meta.get('load_end', float('nan')):.1f} at the end.")
+  for label, path in sorted(data.get("trees", {}).items()):
+    files = {r.get("clu_ckpt_file") for m, rs in results.items()
+             if m.endswith("%" + label) for r in rs}
+    lines.append(f"Tree `{label}`: PYTHONPATH={path}; clu_ckpt imported from "
+                 f"{', '.join(sorted(str(f) for f in files))}.")
+  others = {r.get("clu_ckpt_file") for m, rs in results.items()
+            if "%" not in m for r in rs} - {None}
+  if others:
+    lines.append("Other methods: clu_ckpt imported from "
+                 f"{', '.join(sorted(others))}.")
+  direct = None
+  if disk:
+    direct = _median(disk, "direct_write_mb_s")
+    fmt = lambda key: "/".join(f"{r[key]:.0f}" for r in disk)
+    lines.append(
+        f"\nDisk (in a worker set up like a migration child, once per "
+        f"round): O_DIRECT write (`dd bs=64M count={disk[0]['dd_count_64mib']}"
+        f" oflag=direct conv=fdatasync`) **{direct:.0f} MB/s** (runs "
+        f"{fmt('direct_write_mb_s')}); page-cache write + fdatasync "
+        f"{_median(disk, 'buffered_write_mb_s'):.0f} MB/s (runs "
+        f"{fmt('buffered_write_mb_s')}); O_DIRECT read of the source .flax "
+        f"{_median(disk, 'source_direct_read_mb_s'):.0f} MB/s (runs "
+        f"{fmt('source_direct_read_mb_s')}). MB = 10^6 bytes. \"Share of "
+        f"copy limit\": (source bytes / O_DIRECT read + output bytes / "
+        f"O_DIRECT write) / time, both medians of this run (information, not "
+        f"a target).")
+  if data.get("warm"):
+    lines.append("\n**Diagnosis run: the source was in the page cache "
+                 "(`--warm`), no disk reads.**")
+  naive = results.get("naive")
+  t_naive = _median(naive, "seconds") if naive else None
+  m_naive = _median(naive, "peak_above_baseline") if naive else None
+  lines.append(
+      "\n| method | median s (range) | CPU s | naive / method | source MB/s "
+      "| output GiB (on disk) | output MB/s | share of O_DIRECT write | "
+      "share of copy limit | extra peak RssAnon | x checkpoint | x naive's |")
+  lines.append("|---" * 12 + "|")
+  read = _median(disk, "source_direct_read_mb_s") if disk else None
+  for method, rs in results.items():
+    t = _median(rs, "seconds")
+    out = _median(rs, "dest_bytes")
+    out_disk = _median(rs, "dest_disk_bytes")
+    peak = _median(rs, "peak_above_baseline")
+    ts = [r["seconds"] for r in rs]
+    lines.append(
+        f"| {method} | {t:.2f} ({min(ts):.2f}-{max(ts):.2f}) | "
+        f"{_median(rs, 'cpu_seconds'):.1f} | "
+        f"{'' if t_naive is None else f'{t_naive / t:.2f}x'} | "
+        f"{size / t / _MB:.0f} | {out / _GIB:.2f} ({out_disk / _GIB:.2f}) | "
+        f"{out / t / _MB:.0f} | "
+        f"{'' if direct is None else f'{out / t / _MB / direct:.2f}'} | "
+        f"{'' if direct is None else f'{_copy_limit(size, out, read, direct) / t:.2f}'} | "
+        f"{peak / _GIB:.3f} GiB | {peak / size:.3f} | "
+        f"{'' if not m_naive else f'{peak / m_naive:.3f}'} |")
+  if naive:
+    lines.append(
+        "\nIssue 13 item 10 (speed: >= 3x naive, or >= 0.8 of the O_DIRECT "
+        "write bandwidth where a slow disk caps the ratio; memory: extra peak "
+        "RssAnon <= 0.1x naive's). Throughput numerator: the bytes the "
+        "destination holds (sum of its file sizes) / median time.\n")
+    lines.append("| method | naive / method | share of O_DIRECT write | "
+                 "speed met | extra RssAnon x naive's | memory met | "
+                 "item 10 met |")
+    lines.append("|---" * 7 + "|")
+    for method, rs in results.items():
+      if method == "naive":
+        continue
+      t = _median(rs, "seconds")
+      ratio = t_naive / t
+      share = (None if direct is None else
+               _median(rs, "dest_bytes") / t / _MB / direct)
+      speed = ratio >= _SPEED_RATIO_TARGET or (
+          share is not None and share >= _WRITE_SHARE_TARGET)
+      mem = _median(rs, "peak_above_baseline") / m_naive
+      memory_ok = mem <= _MEMORY_TARGET
+      lines.append(
+          f"| {method} | {ratio:.2f}x | "
+          f"{'' if share is None else f'{share:.2f}'} | {_met(speed)} | "
+          f"{mem:.3f} | {_met(memory_ok)} | {_met(speed and memory_ok)} |")
+    lines.append("")
+    for method, rs in results.items():
+      if method == "naive":
+        continue
+      paired = [n["seconds"] / r["seconds"] for n, r in zip(naive, rs)]
+      cpu = _median(naive, "cpu_seconds") / _median(rs, "cpu_seconds")
+      lines.append(
+          f"- {method}: per round naive / method median "
+          f"{statistics.median(paired):.2f}x, range {min(paired):.2f}-"
+          f"{max(paired):.2f}; {cpu:.2f}x less CPU time than naive")
+  return "\n".join(lines)
 
 
 def main(argv):
@@ -242,6 +472,15 @@ def main(argv):
   if _CHILD.value:
     print(json.dumps(_child(_CHILD.value, _SOURCE.value, _DEST.value)))
     return
+  if _FROM_JSON.value:
+    with open(_FROM_JSON.value) as f:
+      print(report(json.load(f)))
+    return
+  trees = dict(t.split("=", 1) for t in _TREES.value)
+  for method in _METHODS.value:
+    tree = _parse_method(method)[2]
+    if tree and tree not in trees:
+      raise app.UsageError(f"{method}: no --tree {tree}=PATH")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
       __file__))))
   work = _WORKDIR.value
@@ -250,34 +489,34 @@ def main(argv):
     shutil.rmtree(source, ignore_errors=True)
     start = time.perf_counter()
     _make_source(source, _SIZE_GIB.value)
-    print(f"wrote {source} in {time.perf_counter() - start:.1f} s")
-  size = _du(source)
-  print(f"checkpoint: {size / _GIB:.2f} GiB; {_RUNS.value} run(s) per method;"
-        " fresh process per run; page cache of the source dropped per run")
-  results = {m: [] for m in _METHODS.value}
+    print(f"wrote {source} in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr)
+  size = _du(source)[0]
+  data = {"size_bytes": size, "runs": _RUNS.value, "trees": trees,
+          "warm": _WARM.value,
+          "meta": {"cpus": os.cpu_count(), "load_start": os.getloadavg()[0],
+                   "argv": sys.argv},
+          "disk": [], "results": {m: [] for m in _METHODS.value}}
   for run in range(_RUNS.value):
+    if _DISK.value:
+      r = _run_once("dd", source, os.path.join(work, "dd"), trees)
+      data["disk"].append(r)
+      print(f"  run {run + 1} dd O_DIRECT write {r['direct_write_mb_s']:.0f}"
+            f" MB/s, page-cache write {r['buffered_write_mb_s']:.0f} MB/s, "
+            f"O_DIRECT read {r['source_direct_read_mb_s']:.0f} MB/s",
+            file=sys.stderr, flush=True)
     for method in _METHODS.value:
-      r = _run_once(method, source, os.path.join(work, f"out_{method}"))
-      results[method].append(r)
-      print(f"  run {run + 1} {method:14s} {r['seconds']:7.2f} s "
+      r = _run_once(method, source, os.path.join(work, "out"), trees)
+      data["results"][method].append(r)
+      print(f"  run {run + 1} {method:22s} {r['seconds']:7.2f} s "
             f"(CPU {r['cpu_seconds']:6.2f} s)  peak RssAnon "
-            f"+{r['peak_above_baseline'] / _GIB:.3f} GiB", flush=True)
-  print(f"load average at the end: {os.getloadavg()[0]:.1f} "
-        f"({os.cpu_count()} CPUs)")
-  print(f"\n{'method':14s} {'median s':>9s} {'GiB/s':>6s} {'CPU s':>6s} "
-        f"{'peak RssAnon':>13s} {'x size':>7s} {'output GiB':>10s}")
-  for method, rs in results.items():
-    seconds = statistics.median(r["seconds"] for r in rs)
-    cpu = statistics.median(r["cpu_seconds"] for r in rs)
-    peak = statistics.median(r["peak_above_baseline"] for r in rs)
-    print(f"{method:14s} {seconds:9.2f} {size / _GIB / seconds:6.2f} "
-          f"{cpu:6.1f} {peak / _GIB:9.3f} GiB {peak / size:7.2f} "
-          f"{rs[0]['dest_bytes'] / _GIB:10.2f}")
-  if "naive" in results:
-    for method, rs in results.items():
-      if method != "naive":
-        _print_speedup(method, results["naive"], rs)
-  print(json.dumps({"size_bytes": size, "results": results}))
+            f"+{r['peak_above_baseline'] / _GIB:.3f} GiB  "
+            f"[{r.get('clu_ckpt_file')}]", file=sys.stderr, flush=True)
+  data["meta"]["load_end"] = os.getloadavg()[0]
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(data, f, indent=1)
+  print(report(data))
   if not _KEEP.value:
     shutil.rmtree(source, ignore_errors=True)
 

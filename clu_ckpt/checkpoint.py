@@ -56,11 +56,7 @@ def safe_normpath(path: str) -> str:
   """Normalizes a path, keeping a URL scheme (`gs://`) intact.
 
   `os.path.normpath("gs://bucket/x")` would collapse the double slash; this
-  normalizes only the part after the scheme.
-
-  Example::
-
-    safe_normpath("gs://bucket//run/./ckpt/")   # "gs://bucket/run/ckpt"
+  normalizes only the part after the scheme (see `layout.normpath`).
 
   Args:
     path: A local path or URL.
@@ -87,25 +83,29 @@ def load_state_dict(base_directory: str, *,
 
     state_dict = load_state_dict("/work/ckpts")
     params = load_state_dict("/work/ckpts", subtree="params")
+    state_dict = load_state_dict("/work/checkpoints")  # a multihost base
 
   Args:
-    base_directory: Directory with the checkpoints (see `Checkpoint`).
+    base_directory: Directory with the checkpoints (see `Checkpoint`), or a
+      `MultihostCheckpoint` base: then the newest number every host has is
+      read from host 0's directory, and logged (`layout.multihost_latest`).
     subtree: Only return this subtree ("params" or "params/Dense_0", or a
       sequence of keys); the rest of the file is not decoded.
-    checkpoint: A specific checkpoint (`<base_directory>/ckpt-N`) instead of
-      the latest.
+    checkpoint: A checkpoint path (`<base_directory>/ckpt-N`, or
+      `<base>-<host>/ckpt-N`) instead of the latest, read as given.
 
   Returns:
     The deserialized state (or subtree) as a dictionary.
 
   Raises:
-    FileNotFoundError: There is no checkpoint to restore.
+    FileNotFoundError: No checkpoint to restore (or none common to all hosts).
     flax_format.FlaxFormatError: The `.flax` file is corrupt, or has no such
       subtree.
   """
   ckpt = Checkpoint(base_directory)
-  return ckpt._read_flax(ckpt._checkpoint_or_latest(checkpoint), checkpoint,
-                         subtree)  # pylint: disable=protected-access
+  path = checkpoint or layout.multihost_latest(base_directory, "ckpt")
+  return ckpt._read_flax(  # pylint: disable=protected-access
+      ckpt._checkpoint_or_latest(path), path, subtree)
 
 
 class CheckpointInfo(

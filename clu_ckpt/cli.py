@@ -50,9 +50,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
 
 from absl import logging as absl_logging
 
+from clu_ckpt import __version__
+
 _GIB = 2**30
 _MIB = 2**20
-_BAR_WIDTH = 30
 _REDRAW_SECONDS = 0.1
 
 
@@ -78,8 +79,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   with _quiet_libraries(args.verbose):
     try:
       return args.run(args)
-    except KeyboardInterrupt:
-      print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+      if not args.verbose:
+        # An abandoned step's asyncio tasks are collected only at exit.
+        logging.getLogger("asyncio").disabled = True
+      print(f"clu-ckpt {args.command}: interrupted"
+            f"{_interrupted_detail(e, args)}", file=sys.stderr)
       return 130
     except BrokenPipeError:  # e.g. `clu-ckpt inspect ... | head`
       os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -90,6 +95,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"clu-ckpt {args.command}: error: {_one_line(e, args)}",
             file=sys.stderr)
       return 1
+
+
+def _interrupted_detail(error: KeyboardInterrupt,
+                        args: argparse.Namespace) -> str:
+  """What an interrupted command had done, for its one line on stderr."""
+  summary = getattr(error, "summary", None)
+  if summary is None:
+    path = getattr(args, "path", None) or getattr(args, "source", None)
+    return f": {path} not finished" if path else ""
+  steps = summary.steps
+  total = len(steps) + len(getattr(error, "remaining", []))
+  done = [s for s in steps if s.status in ("migrated", "skipped")]
+  names = ", ".join(f"ckpt-{s.number}" for s in done)
+  text = f": {len(done)} of {total} checkpoints migrated"
+  text += f" ({names})" if names else ""
+  failed = [s for s in steps if s.status == "failed"]
+  if failed:
+    text += f"; {len(failed)} failed"
+  abandoned = [s for s in steps if s.status == "interrupted"]
+  if abandoned:
+    text += f"; ckpt-{abandoned[0].number} abandoned"
+  return text + "; re-run to resume"
 
 
 def _one_line(error: BaseException, args: argparse.Namespace) -> str:
@@ -113,6 +140,8 @@ def _parser() -> argparse.ArgumentParser:
       description="CLU/Flax checkpoints: fast access and migration to Orbax.")
   parser.add_argument("-v", "--verbose", action="store_true",
                       help="show the libraries' log messages")
+  parser.add_argument("--version", action="version",
+                      version=f"clu-ckpt {__version__}")
   subparsers = parser.add_subparsers(title="commands", metavar="COMMAND",
                                      dest="command")
   _add_inspect(subparsers)
@@ -121,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-_NOISY_LOGGERS = ("absl", "jax", "orbax", "tensorflow")
+_NOISY_LOGGERS = ("absl", "asyncio", "jax", "orbax", "tensorflow")
 
 
 @contextlib.contextmanager
@@ -138,9 +167,14 @@ def _quiet_libraries(verbose: bool) -> Iterator[None]:
   absl_logging.set_verbosity(absl_logging.FATAL)
   for name in _NOISY_LOGGERS:
     logging.getLogger(name).setLevel(logging.CRITICAL)
+  # An abandoned step's writes (Ctrl-C) end in TensorStore callbacks that
+  # find Orbax's event loop closed: Python would print each one.
+  hooks = sys.unraisablehook, threading.excepthook
+  sys.unraisablehook = threading.excepthook = lambda *_: None
   try:
     yield
   finally:
+    sys.unraisablehook, threading.excepthook = hooks
     absl_logging.set_verbosity(verbosity)
     for name, level in levels.items():
       logging.getLogger(name).setLevel(level)
@@ -451,7 +485,12 @@ def _print_summary(summary: Any, out: TextIO) -> None:
 
 
 class _ProgressReport:
-  """Renders `migration.Progress` events: a bar on a terminal, else lines."""
+  """Renders `migration.Progress` events for the terminal or a log.
+
+  On a terminal: one tqdm bar over the whole run (checkpoint i/N, bytes
+  done of the total, rate, ETA), with a line per finished checkpoint above
+  it. Otherwise one line per event, ending with the run's progress.
+  """
 
   def __init__(self, out: TextIO, tty: bool,
                clock: Callable[[], float] = time.monotonic):
@@ -459,60 +498,112 @@ class _ProgressReport:
     self._tty = tty
     self._clock = clock
     self._lock = threading.Lock()
-    self._total = self._written = 0
-    self._started = self._drawn = 0.0
-    self._label = ""
-    self._bar_shown = False
+    self._count = self._index = 0
+    self._total = self._finished = self._current = 0
+    self._started = self._step_started = clock()
+    self._bar: Any = None
 
   def __call__(self, event: Any) -> None:
     with self._lock:
-      step = "?" if event.step is None else event.step
-      label = f"ckpt-{event.number} -> step {step}"
-      if event.event == "start":
-        self._label, self._total, self._written = label, event.nbytes, 0
-        self._started = self._drawn = self._clock()
-        if not self._tty:
-          self._line(f"migrating {label} ({_size(event.nbytes)})")
-      elif event.event == "bytes":
-        self._written += event.nbytes
-        now = self._clock()
-        if self._tty and now - self._drawn >= _REDRAW_SECONDS:
-          self._drawn = now
-          self._draw_bar(now)
-      elif event.event == "done":
-        seconds = max(self._clock() - self._started, 1e-9)
-        self._line(f"migrated {label}: {_size(event.nbytes)} in "
-                   f"{seconds:.1f} s ({_size(event.nbytes / seconds)}/s)")
-      elif event.event == "skipped":
-        self._line(f"skipped {label}: already in the destination")
-      elif event.event == "verified":
-        self._line(f"verified {label}")
-      elif event.event == "failed":
-        self._line(f"FAILED {label}: {event.message}")
+      if not self._count and getattr(event, "count", 0):
+        self._on_plan(event)
+      handler = getattr(self, f"_on_{event.event}", None)
+      if handler is not None:
+        handler(event)
 
-  def _draw_bar(self, now: float) -> None:
-    fraction = min(1.0, self._written / self._total) if self._total else 1.0
-    filled = int(round(fraction * _BAR_WIDTH))
-    rate = self._written / max(now - self._started, 1e-9)
-    self._out.write(
-        f"\r{self._label} [{'#' * filled}{'.' * (_BAR_WIDTH - filled)}] "
-        f"{fraction:4.0%} {_size(self._written)}/{_size(self._total)} "
-        f"{_size(rate)}/s\x1b[K")
-    self._out.flush()
-    self._bar_shown = True
+  def _label(self, event: Any) -> str:
+    step = "?" if event.step is None else event.step
+    return f"ckpt-{event.number} -> step {step}"
+
+  def _on_plan(self, event: Any) -> None:
+    """Learns the run's size from the first event that carries it."""
+    self._count, self._total = event.count, event.total_nbytes
+    self._started = self._clock()
+    if self._tty:
+      import tqdm  # pylint: disable=g-import-not-at-top
+      self._bar = tqdm.tqdm(
+          total=event.total_nbytes, unit="B", unit_scale=True, unit_divisor=1024,
+          file=self._out, mininterval=_REDRAW_SECONDS, dynamic_ncols=True,
+          desc=f"[0/{event.count}]", leave=False)
+
+  def _on_start(self, event: Any) -> None:
+    self._index += 1
+    self._current = 0
+    self._step_started = self._clock()
+    if self._bar is not None:
+      self._bar.set_description_str(
+          f"[{self._index}/{self._count}] {self._label(event)}")
+    else:
+      self._line(f"migrating {self._label(event)} ({_size(event.nbytes)}) "
+                 f"[{self._index}/{self._count}]")
+
+  def _on_bytes(self, event: Any) -> None:
+    self._current += event.nbytes
+    if self._bar is not None:
+      self._bar.update(event.nbytes)
+
+  def _on_done(self, event: Any) -> None:
+    seconds = max(self._clock() - self._step_started, 1e-9)
+    self._finish(event.nbytes)
+    self._line(f"migrated {self._label(event)}: {_size(event.nbytes)} in "
+               f"{seconds:.1f} s ({_size(event.nbytes / seconds)}/s)"
+               f"{self._overall()}")
+
+  def _on_skipped(self, event: Any) -> None:
+    self._index += 1
+    self._finish(event.nbytes)
+    self._line(f"skipped {self._label(event)}: already in the destination"
+               f"{self._overall()}")
+
+  def _on_verified(self, event: Any) -> None:
+    self._line(f"verified {self._label(event)}")
+
+  def _on_failed(self, event: Any) -> None:
+    if self._current or self._index == 0:
+      self._finish(0)
+    self._line(f"FAILED {self._label(event)}: {event.message}")
+
+  def _finish(self, nbytes: int) -> None:
+    """Counts a finished checkpoint's bytes (the bar catches up to them)."""
+    if self._bar is not None:
+      self._bar.update(max(0, nbytes - self._current))
+    self._finished += nbytes
+    self._current = 0
+
+  def _overall(self) -> str:
+    """" [i/N, done of total, ETA t]" (empty before the plan is known)."""
+    if not self._count:
+      return ""
+    elapsed = self._clock() - self._started
+    left = self._total - self._finished
+    eta = (f", ETA {_duration(elapsed * left / self._finished)}"
+           if self._finished and left > 0 else "")
+    return (f" [{self._index}/{self._count}, {_size(self._finished)} of "
+            f"{_size(self._total)}{eta}]")
 
   def _line(self, text: str) -> None:
-    if self._bar_shown:
-      self._out.write("\r\x1b[K")
-      self._bar_shown = False
-    self._out.write(text + "\n")
-    self._out.flush()
+    if self._bar is not None:
+      self._bar.write(text, file=self._out)
+    else:
+      self._out.write(text + "\n")
+      self._out.flush()
 
   def close(self) -> None:
+    """Takes the bar off the terminal."""
     with self._lock:
-      if self._bar_shown:
-        self._out.write("\n")
-        self._bar_shown = False
+      if self._bar is not None:
+        self._bar.close()
+        self._bar = None
+
+
+def _duration(seconds: float) -> str:
+  """`seconds` as "42 s", "3 min 20 s" or "2 h 05 min"."""
+  seconds = int(round(seconds))
+  if seconds < 60:
+    return f"{seconds} s"
+  if seconds < 3600:
+    return f"{seconds // 60} min {seconds % 60:02d} s"
+  return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
 def _size(n: float) -> str:

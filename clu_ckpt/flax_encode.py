@@ -6,8 +6,10 @@ importing Flax for plain trees), and emitting the msgpack bytes `to_bytes`
 would, array data straight from each array's buffer. Small msgpack pieces are
 gathered into one buffer; array data goes through as memoryviews of the
 array itself (of a copy of at most `_WRITE_BLOCK` bytes when the array is not
-C-contiguous). Arrays over `chunk_bytes` (`flax_format.CHUNK_BYTES`, Flax's
-1 GiB) take Flax's chunked form. Callers use
+C-contiguous). Arrays over `chunk_bytes` bytes (`flax_format.chunk_bytes()`:
+Flax's `MAX_CHUNK_SIZE`, 1 GiB unless changed) take Flax's chunked form: the
+C-order flattened data cut into pieces of `max(1, int(chunk_bytes /
+itemsize))` elements, each an ordinary 1-D ndarray ext. Callers use
 `flax_format.save` and `flax_format.save_file`; this module has no file I/O.
 
 Synopsis::
@@ -50,6 +52,15 @@ def encode(state: Any, write: Callable[[Any], Any], *,
   must consume before returning (`flax_format.save_file` hands it the staged
   writer of `storage.atomic_writer`, `flax_format.save` a bytearray's extend).
   Arrays of more than `chunk_bytes` bytes are written in Flax's chunked form.
+
+  Args:
+    state: The state (see `flax_format.save`).
+    write: Called with each piece of the encoding, in order.
+    chunk_bytes: Flax's `MAX_CHUNK_SIZE`: arrays whose `size * itemsize`
+      exceeds it are chunked (numpy scalars never are, as in Flax).
+
+  Returns:
+    The number of bytes passed to `write`.
 
   Raises:
     TypeError, ValueError, OverflowError: See `flax_format.save`.
@@ -126,7 +137,8 @@ class _Encoder:
     if arr.size * arr.dtype.itemsize <= self._chunk_bytes:
       self._ndarray_ext(_EXT_NDARRAY, arr, path)
       return
-    # Flax's chunked form for arrays over 1 GiB.
+    # Flax's chunked form: {"__msgpack_chunked_array__": True, "shape":
+    # {"0": d0, ...}, "chunks": {"0": 1-D piece, ...}}, keys in that order.
     chunk = max(1, int(self._chunk_bytes / arr.dtype.itemsize))
     flat = _flat_c_order(arr)
     pack = self._packer.pack

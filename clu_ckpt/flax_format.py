@@ -2,14 +2,15 @@
 
 `flax.serialization.to_bytes` writes a state as msgpack: the state dict's maps
 and scalars as plain msgpack, numpy and jax arrays as ext type 1 holding a
-msgpack triple `(shape, dtype name, C-order bytes)`, numpy scalars as ext type
-3 (a 0-d array), complex numbers as ext type 2 (`(real, imag)`), and arrays over
-1 GiB split into a `{"__msgpack_chunked_array__": True, "shape": ..., "chunks":
-...}` map. This module writes exactly those bytes, but streams them: array data
-goes from the array's own buffer to the file, so saving costs no copy of the
-state. It reads by memory-mapping the file and handing out read-only numpy views
-of the array bytes, so loading costs no copy either, and it can decode a single
-subtree or only the headers.
+msgpack triple `(shape, dtype name, C-order bytes)`, numpy scalars as ext type 3
+(a 0-d array), complex numbers as ext type 2 (`(real, imag)`), and arrays over
+`MAX_CHUNK_SIZE` bytes (1 GiB unless changed) split into a
+`{"__msgpack_chunked_array__": True, "shape": ..., "chunks": ...}` map. This
+module writes exactly those bytes, but streams them: array data goes from the
+array's own buffer to the file, so saving costs no copy of the state. It reads
+by memory-mapping the file and handing out read-only numpy views of the array
+bytes, so loading costs no copy either, and it can decode a single subtree or
+only the headers.
 
 Synopsis::
 
@@ -30,14 +31,15 @@ Synopsis::
   flax_format.dtype_name(np.dtype(">f4"))             # ">f4": the one codec
   flax_format.dtype_from_name("bfloat16")             # (see flax_dtypes)
 
-This module is the format's public face: the API, and the knobs
-`CHUNK_BYTES`, `MEMORY_FACTOR` and `MEMORY_BASE` (read at each call and passed
-down, so that setting them here takes effect). The work is done by its
-submodules, of which it re-exports what callers need: `flax_encode` (the
-streaming writer), `flax_parse` (the bounded msgpack parser: errors, the
-limits `MAX_DEPTH` and `MAX_NDIM`, the memory budget), `flax_decode`
-(`LeafInfo`, chunked arrays, the one walk that lists leaves and builds trees)
-and `flax_dtypes` (the dtype codec).
+This module is the format's public face: the API, and the knobs `CHUNK_BYTES`,
+`MEMORY_FACTOR` and `MEMORY_BASE` (read at each call and passed down, so that
+setting them here takes effect; while `CHUNK_BYTES` is left at its default, a
+loaded Flax's `MAX_CHUNK_SIZE` applies: see `chunk_bytes`). The work is done by
+its submodules, of which it re-exports what callers need: `flax_encode` (the
+streaming writer), `flax_parse` (the bounded msgpack parser: errors, the limits
+`MAX_DEPTH` and `MAX_NDIM`, the memory budget), `flax_decode` (`LeafInfo`,
+chunked arrays, the one walk that lists leaves and builds trees) and
+`flax_dtypes` (the dtype codec).
 
 Reading needs only numpy, msgpack and ml_dtypes; writing a plain tree of dicts,
 lists and arrays needs nothing more either. Flax is imported only to turn other
@@ -64,6 +66,7 @@ quadratic).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Sequence, Union
 
 from clu_ckpt import errors
@@ -82,7 +85,10 @@ from clu_ckpt.flax_parse import MAX_DEPTH  # pylint: disable=unused-import
 from clu_ckpt.flax_parse import MAX_NDIM  # pylint: disable=unused-import
 
 # Arrays larger than this many bytes are split into chunks (Flax's MAX_CHUNK_SIZE).
+# Left at its default, Flax's own `flax.serialization.MAX_CHUNK_SIZE` applies
+# when Flax is loaded (see `chunk_bytes`); set here, this value wins.
 CHUNK_BYTES = 2**30
+_DEFAULT_CHUNK_BYTES = 2**30
 # Reading an M-byte input (load, load_file, inspect, inspect_file) allocates at
 # most MEMORY_FACTOR * M + MEMORY_BASE bytes, the input included; inputs that
 # would need more are refused (once the reader's estimates, which are never
@@ -132,7 +138,7 @@ def save(state: Any) -> bytes:
     OverflowError: An int outside [-2**63, 2**64 - 1].
   """
   out = bytearray()
-  flax_encode.encode(state, out.extend, chunk_bytes=CHUNK_BYTES)
+  flax_encode.encode(state, out.extend, chunk_bytes=chunk_bytes())
   return bytes(out)
 
 
@@ -165,7 +171,40 @@ def save_file(state: Any, path: str) -> int:
       left as it was.
   """
   with storage.atomic_writer(path) as write:
-    return flax_encode.encode(state, write, chunk_bytes=CHUNK_BYTES)
+    return flax_encode.encode(state, write, chunk_bytes=chunk_bytes())
+
+
+def chunk_bytes() -> int:
+  """The size above which `save` and `save_file` chunk an array, in bytes.
+
+  The writer follows the same rule as `to_bytes`: an array of more than this
+  many bytes becomes a chunked map. Precedence, read at each call:
+
+  1. `CHUNK_BYTES`, when it was set to anything but its default (2**30): an
+     explicit choice made here wins.
+  2. Otherwise `flax.serialization.MAX_CHUNK_SIZE`, when Flax is already
+     imported (`"flax.serialization" in sys.modules`), so that a program that
+     changed Flax's knob gets the bytes `to_bytes` gives it. Flax is never
+     imported for this.
+  3. Otherwise the default, 2**30 (Flax's).
+
+  (Setting `CHUNK_BYTES` to 2**30 itself is indistinguishable from leaving it
+  alone, so Flax's value then applies.)
+
+  Example::
+
+    flax.serialization.MAX_CHUNK_SIZE = 2**20
+    assert flax_format.chunk_bytes() == 2**20
+    assert flax_format.save(state) == flax.serialization.to_bytes(state)
+
+  Returns:
+    The chunk threshold in bytes (an int, or whatever number Flax's
+    attribute holds).
+  """
+  if CHUNK_BYTES != _DEFAULT_CHUNK_BYTES:
+    return CHUNK_BYTES
+  serialization = sys.modules.get("flax.serialization")
+  return getattr(serialization, "MAX_CHUNK_SIZE", CHUNK_BYTES)
 
 
 # --------------------------------------------------------------------------

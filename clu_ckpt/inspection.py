@@ -1,7 +1,8 @@
 """What a checkpoint directory holds, and whether it is sound: `inspect`, `verify`.
 
 Works from file names, TensorFlow's `checkpoint` state file and the `.flax`
-headers only: no TensorFlow, no JAX, and no array bytes are read by `inspect`.
+headers only: no TensorFlow, no JAX, and no array bytes are read by `inspect`
+(a native Orbax root's tree is read through Orbax, imported then).
 
 Synopsis::
 
@@ -18,8 +19,14 @@ problems and not read; so are files that are not regular files.
 
 Paths understood: a `Checkpoint` base directory, a `MultihostCheckpoint` base
 (`<base>-0`, `<base>-1`, ... beside it), a single `.flax` file, and an Orbax
-CheckpointManager root written by `clu-ckpt migrate` (read from Orbax's JSON
-metadata files; Orbax itself is not imported).
+CheckpointManager root: one written by `clu-ckpt migrate` (read from its JSON
+metadata files; Orbax is not imported) or a native one (its items from
+Orbax's step metadata, its tree through Orbax's public metadata API when
+Orbax is installed, else its leaf paths with dtype, shape and size
+"unknown"; see `clu_ckpt.orbax_root`).
+
+`inspect` of a directory checks every `.flax` file's headers: a damaged one
+is listed as "damaged" and named in `problems` with what is wrong.
 """
 
 from __future__ import annotations
@@ -154,6 +161,57 @@ def _step_of(flax_path: str) -> Optional[int]:
   return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+_TEXT_PROBE = 48
+
+
+def _damage(flax_path: str) -> Optional[str]:
+  """What is wrong with a `.flax` file's headers, in one sentence, or None.
+
+  The sentence names the file and, where the format says so, the byte
+  offset: "truncated at byte N", "not msgpack at byte N", and for a text file
+  "not a Flax checkpoint: starts with text '...'" (msgpack would read its
+  first character as a small integer and complain about what follows).
+  """
+  try:
+    flax_format.inspect_file(flax_path)
+    return None
+  except flax_format.FlaxFormatError as e:
+    error = e
+  except OSError as e:
+    return f"{flax_path}: cannot be read: {e}"
+  text = _text_start(flax_path)
+  if text is not None:
+    return (f"{flax_path}: not a Flax checkpoint: starts with text "
+            f"{text!r} (a text file, not msgpack)")
+  detail = str(error).split(": ", 1)[-1]
+  offset = getattr(error, "offset", None)
+  at = "" if offset is None else f" at byte {offset}"
+  if "truncated" in detail or "empty file" in detail:
+    return f"{flax_path}: damaged: truncated{at} ({detail})"
+  if "msgpack" in detail:
+    return f"{flax_path}: damaged: not msgpack{at} ({detail})"
+  return f"{flax_path}: damaged{at}: {detail}"
+
+
+def _text_start(path: str) -> Optional[str]:
+  """The file's first characters when it starts as printable text."""
+  try:
+    head = bytes(storage.map_file(path, populate=False)[:_TEXT_PROBE])
+  except (OSError, ValueError):
+    return None
+  for cut in range(4):  # a UTF-8 character cut at the probe's end
+    try:
+      text = head[:len(head) - cut].decode("utf-8")
+      break
+    except UnicodeDecodeError:
+      continue
+  else:
+    return None
+  if not text or not all(ch.isprintable() or ch in "\t\r\n" for ch in text):
+    return None
+  return text if len(head) < _TEXT_PROBE else text + "..."
+
+
 # --------------------------------------------------------------------------
 # inspect
 # --------------------------------------------------------------------------
@@ -201,7 +259,11 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
     "multihost"), `checkpoints` (number, step, bytes, time, hosts, committed)
     and `tree` (see `tree_summary`) for the chosen checkpoint, and
     `problems`: sentences naming what was refused or could not be read
-    (entries outside the directory, files that are not regular files).
+    (entries outside the directory, files that are not regular files, and
+    each committed `.flax` whose headers are damaged: also in its row's
+    `damage`). The default tree is
+    that of the latest committed checkpoint that is not damaged; a damaged
+    chosen one has no tree.
 
   Raises:
     FileNotFoundError: Nothing checkpoint-like at `path`.
@@ -224,13 +286,20 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
     for c in list_checkpoints(directory, problems):
       row = rows.setdefault((c["name"], c["number"]), dict(
           name=c["name"], number=c["number"], step=None, bytes=0,
-          time=c["mtime"], hosts=[], committed_hosts=[], torn_hosts=[]))
+          time=c["mtime"], hosts=[], committed_hosts=[], torn_hosts=[],
+          damage=[]))
       row["bytes"] += c["flax_bytes"] + c["tf_bytes"]
       row["time"] = max(row["time"], c["mtime"])
       row["hosts"].append(host)
       (row["committed_hosts"] if c["committed"] and c["readable"] else
        row["torn_hosts"]).append(host)
-      if row["step"] is None and c["committed"] and c["readable"]:
+      # A torn save's partial file is expected; committed ones must be whole.
+      damage = (_damage(c["prefix"] + ".flax")
+                if c["readable"] and c["committed"] else None)
+      if damage:
+        row["damage"].append(damage)
+        problems.append(damage)
+      elif row["step"] is None and c["committed"] and c["readable"]:
         row["step"] = _step_of(c["prefix"] + ".flax")
   checkpoints = [rows[k] for k in sorted(rows)]
   for row in checkpoints:
@@ -238,7 +307,7 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
                         len(row["committed_hosts"]) == len(hosts))
   chosen = _choose(checkpoints, checkpoint)
   tree = None
-  if chosen is not None:
+  if chosen is not None and not chosen["damage"]:
     first_host = chosen["committed_hosts"][0] if chosen[
         "committed_hosts"] else chosen["hosts"][0]
     flax_path = storage.join(
@@ -258,8 +327,8 @@ def _choose(checkpoints: list, number: Optional[int]) -> Optional[dict]:
       if row["number"] == number:
         return row
     raise errors.CheckpointNotFoundError(f"No checkpoint number {number}")
-  committed = [r for r in checkpoints if r["committed"]]
-  return committed[-1] if committed else None
+  sound = [r for r in checkpoints if r["committed"] and not r["damage"]]
+  return sound[-1] if sound else None
 
 
 def format_inspect(report: dict[str, Any]) -> str:
@@ -274,8 +343,9 @@ def format_inspect(report: dict[str, Any]) -> str:
         "checkpoint directory"))
     table = [("number", "step", "size", "written (UTC)", "hosts", "state")]
     for row in report["checkpoints"]:
-      state = "committed" if row["committed"] else (
-          "torn" if row["torn_hosts"] else "partial")
+      state = "damaged" if row.get("damage") else (
+          "committed" if row["committed"] else (
+              "torn" if row["torn_hosts"] else "partial"))
       table.append((f"{row['name']}-{row['number']}",
                     "" if row["step"] is None else str(row["step"]),
                     _human(row["bytes"]), row["time"].replace("+00:00", ""),
@@ -313,7 +383,9 @@ def _table(rows: list[tuple]) -> list[str]:
   return out
 
 
-def _human(n: int) -> str:
+def _human(n: Optional[int]) -> str:
+  if n is None:
+    return "unknown"
   for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
     if n < 1024 or unit == "TiB":
       return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -397,7 +469,10 @@ def _decode_fully(flax_path: str, problems: list) -> Optional[list]:
     with flax_format.FlaxFile(flax_path, read_data=False) as handle:
       return [(l.path, l.dtype, l.shape) for l in handle.leaves]
   except flax_format.FlaxFormatError as e:
-    problems.append(str(e))
+    text = _text_start(flax_path)
+    problems.append(str(e) if text is None else
+                    f"{flax_path}: not a Flax checkpoint: starts with text "
+                    f"{text!r} (a text file, not msgpack)")
   except OSError as e:
     problems.append(f"{flax_path}: cannot be read: {e}")
   return None
@@ -435,6 +510,7 @@ def _check_hosts(path: str, hosts: dict, numbers: dict, trees: dict,
 
 
 def _format_orbax(report: dict) -> str:
+  """Renders `orbax_root.inspect_orbax_root`'s report."""
   lines = [f"{report['path']}: Orbax CheckpointManager root"]
   table = [("step", "items", "size", "committed (UTC)", "from")]
   for row in report["steps"]:
@@ -446,15 +522,32 @@ def _format_orbax(report: dict) -> str:
   for name in report["partial"]:
     lines.append(f"unfinished (ignored by Orbax): {name}")
   tree = report.get("tree")
-  if tree and tree["leaves"]:
+  native = bool(tree) and tree.get("source") == "orbax"
+  if tree and (tree["leaves"] or native):
     lines.append("")
-    lines.append(f"tree of step {tree['number']} (from its metadata item):")
-    rows = [("path", "dtype", "shape", "bytes")]
+    lines.append(f"tree of step {tree['number']} " + (
+        "(items as Orbax records them):" if native else "(from its metadata item):"))
+  if tree and tree["leaves"]:
+    head = ("item",) if native else ()
+    rows = [head + ("path", "dtype", "shape", "bytes")]
     for leaf in tree["leaves"]:
-      rows.append((leaf["path"] or "", leaf["dtype"] or leaf["kind"] or "",
-                   "" if leaf["shape"] is None else str(tuple(leaf["shape"])),
-                   _human(leaf["bytes"])))
+      unknown = native and leaf["dtype"] is None and leaf["kind"] is None
+      rows.append(((leaf["item"],) if native else ()) + (
+          leaf["path"] or "",
+          "unknown" if unknown else (leaf["dtype"] or leaf["kind"] or ""),
+          "unknown" if unknown else (
+              "" if leaf["shape"] is None else str(tuple(leaf["shape"]))),
+          _human(leaf["bytes"])))
     lines += _table(rows)
+  if native:
+    for item, entry in tree["items"].items():
+      if entry["unknown"]:
+        lines.append(f"item {item}: {entry['unknown']}")
+    if tree["leaves"]:
+      lines.append(f"total: {len(tree['leaves'])} leaves, "
+                   f"{_human(tree['total_bytes'])}")
+  for problem in report.get("problems") or []:
+    lines.append(f"PROBLEM: {problem}")
   return "\n".join(lines)
 
 

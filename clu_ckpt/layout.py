@@ -27,6 +27,7 @@ Synopsis::
                                                          # symlink leads out
   layout.host_directories("/runs/a/checkpoints")    # {0: ".../checkpoints-0"}
   layout.newest_common(layout.host_directories(base), "ckpt")   # (7, {...})
+  layout.multihost_latest(base, "ckpt")   # ".../checkpoints-0/ckpt-7"
 """
 
 from __future__ import annotations
@@ -407,3 +408,46 @@ def newest_common(directories: Mapping[int, str], checkpoint_name: str
                     "are missing in %s; trying older ones", number, missing)
   number = max(common)
   return number, {d: numbers[number] for d, numbers in listed.items()}
+
+
+def multihost_latest(base_directory: str,
+                     checkpoint_name: str) -> Optional[str]:
+  """The checkpoint `load_state_dict` reads when given a multihost base.
+
+  When `base_directory` is not a checkpoint directory (`source_directories`)
+  but `<base_directory>-<host>` directories exist, that is the newest number
+  every host has (`newest_common`, the rule `MultihostCheckpoint.restore`
+  follows), read from the lowest host's directory (host 0's, normally). The
+  choice is logged.
+
+  Example::
+
+    multihost_latest("/work/checkpoints", "ckpt")   # ".../checkpoints-0/ckpt-4"
+    multihost_latest("/work/ckpts", "ckpt")         # None: a plain directory
+
+  Args:
+    base_directory: A `Checkpoint` directory or a `MultihostCheckpoint` base.
+    checkpoint_name: The checkpoints' name (`ckpt`).
+
+  Returns:
+    That checkpoint's path, or None when `base_directory` is a checkpoint
+    directory or has no host directories (read it as a single directory).
+
+  Raises:
+    CheckpointNotFoundError: The hosts have no checkpoint number in common.
+  """
+  hosts = source_directories(base_directory)
+  if not hosts or None in hosts:
+    return None
+  found = newest_common(hosts, checkpoint_name)
+  if found is None:
+    raise errors.CheckpointNotFoundError(
+        f"No checkpoint found at {base_directory}: it is a MultihostCheckpoint "
+        f"base, but its host directories {list(hosts.values())} have no "
+        f"{checkpoint_name}-<number> in common")
+  host, directory = min(hosts.items())
+  path = found[1][directory]
+  logging.info("%s is a MultihostCheckpoint base: loading %s, from host %d's "
+               "directory %s (checkpoint %d is the newest every host has)",
+               base_directory, path, host, directory, found[0])
+  return path

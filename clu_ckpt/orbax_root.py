@@ -207,8 +207,36 @@ def _directory_bytes(path: str) -> int:
   return sum(storage.stat(p)[0] for p in storage.glob(f"{path}/**"))
 
 
+def _item_handlers(meta: dict) -> dict[str, str]:
+  """Item name -> handler type name, as the step metadata records them."""
+  handlers = meta.get("item_handlers")
+  if isinstance(handlers, str):  # default-item mode of older Orbax versions
+    return {"default": handlers}
+  return {str(k): str(v) for k, v in (handlers or {}).items()}
+
+
+def _step_items(directory: str, meta: dict) -> dict[str, str]:
+  """The items a step holds: recorded in its metadata and present on disk.
+
+  Without step metadata: its subdirectories, with unknown handlers ("").
+  """
+  recorded = _item_handlers(meta)
+  if not meta:
+    recorded = {name.rstrip("/"): "" for name in storage.listdir(directory)
+                if storage.isdir(storage.join(directory, name))}
+  return {name: handler for name, handler in sorted(recorded.items())
+          if storage.isdir(storage.join(directory, name))}
+
+
 def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
-  """Describes an Orbax CheckpointManager root from its JSON metadata only.
+  """Describes an Orbax CheckpointManager root, migrated or native.
+
+  Steps and items are read from Orbax's JSON metadata files. The tree of a
+  migrated step comes from the migration's `metadata` item (no Orbax needed);
+  the tree of a native step from Orbax's public metadata API (the recorded
+  item handler's `metadata()`, see `item_leaves`), imported only
+  then. Without Orbax installed, a native step's leaf paths are listed from
+  its `_METADATA` file with dtype, shape and size unknown.
 
   Args:
     root: The root directory.
@@ -217,8 +245,11 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
   Returns:
     A JSON-ready dict: `kind` "orbax_root", `steps` (step, items, bytes,
     time, the CLU checkpoint it was migrated from), `partial` (unfinished
-    temporary step directories) and `tree` (from the `metadata` item's leaf
-    summary) for the chosen step.
+    temporary step directories), `tree` for the chosen step (`source`:
+    "metadata item" or "orbax"; `leaves`, `subtrees`, `total_bytes`, None
+    when unknown; `items`: item -> handler, leaf count and `unknown`, the
+    reason its leaves are not described) and `problems` (metadata Orbax
+    could not read).
   """
   numbers, partial = list_steps(root)
   rows = []
@@ -228,7 +259,7 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
     clu = _read_json(storage.join(directory, "metadata", "metadata")) or {}
     stamp = meta.get("commit_timestamp_nsecs")
     rows.append(dict(
-        step=number, items=sorted(meta.get("item_handlers") or {}),
+        step=number, items=list(_step_items(directory, meta)),
         bytes=_directory_bytes(directory),
         time=_iso(stamp / 1e9) if stamp else None,
         clu_checkpoint=clu.get("clu_checkpoint"), source=clu.get("source"),
@@ -236,39 +267,143 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
   if step is not None and step not in numbers:
     raise errors.CheckpointNotFoundError(f"No step {step} in {root}")
   chosen = step if step is not None else (numbers[-1] if numbers else None)
+  problems: list[str] = []
   tree = None
   if chosen is not None:
-    leaves = _orbax_leaves(storage.join(root, str(chosen)))
-    subtrees: dict[str, dict[str, int]] = collections.OrderedDict()
-    for leaf in leaves:
-      entry = subtrees.setdefault((leaf["path"] or "/").split("/")[1],
-                                  {"leaves": 0, "bytes": 0})
-      entry["leaves"] += 1
-      entry["bytes"] += leaf["bytes"]
-    tree = dict(file=storage.join(root, str(chosen)), number=chosen,
-                leaves=leaves, subtrees=subtrees,
-                total_bytes=sum(l["bytes"] for l in leaves))
+    tree = _step_tree(storage.join(root, str(chosen)), problems)
+    tree["number"] = chosen
   return dict(kind="orbax_root", path=root, steps=rows, partial=partial,
-              tree=tree)
+              tree=tree, problems=problems)
 
 
-def _orbax_leaves(step_dir: str) -> list[dict]:
-  """Leaves of a step: the migration's summary, else Orbax's `state` tree."""
+def _step_tree(step_dir: str, problems: list) -> dict:
+  """The tree of one step: migrated (its summary) or native (Orbax's)."""
   clu = _read_json(storage.join(step_dir, "metadata", "metadata")) or {}
   if clu.get("leaves"):
-    return [dict(path=l.get("path"), kind=l.get("kind"), dtype=l.get("dtype"),
-                 shape=l.get("shape"), bytes=_leaf_bytes(l))
-            for l in clu["leaves"]]
-  tree = (_read_json(storage.join(step_dir, "state", "_METADATA")) or
-          {}).get("tree_metadata") or {}
+    leaves = [dict(path=l.get("path"), kind=l.get("kind"),
+                   dtype=l.get("dtype"), shape=l.get("shape"),
+                   bytes=_leaf_bytes(l)) for l in clu["leaves"]]
+    return dict(file=step_dir, source="metadata item", leaves=leaves,
+                subtrees=_subtrees(leaves, False),
+                total_bytes=sum(l["bytes"] for l in leaves), items={})
+  meta = _read_json(storage.join(step_dir, _ORBAX_STEP_METADATA)) or {}
+  leaves, items = [], {}
+  for item, handler in _step_items(step_dir, meta).items():
+    item_dir = storage.join(step_dir, item)
+    found, unknown = item_leaves(item_dir, handler)
+    if unknown and unknown.startswith("Orbax could not read"):
+      problems.append(f"{item_dir}: {unknown}")
+    items[item] = dict(handler=handler.rsplit(".", 1)[-1] or None,
+                       leaves=None if found is None else len(found),
+                       unknown=unknown)
+    for leaf in found or []:
+      leaves.append(dict(leaf, item=item))
+  sizes = [l["bytes"] for l in leaves]
+  return dict(file=step_dir, source="orbax", leaves=leaves,
+              subtrees=_subtrees(leaves, True), items=items,
+              total_bytes=None if None in sizes else sum(sizes))
+
+
+# The public Orbax handlers whose `metadata()` describes an item's tree, by
+# the class name `_CHECKPOINT_METADATA` records for the item.
+_TREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler")
+ORBAX_MISSING = "Orbax is not installed: dtype, shape and size unknown"
+
+
+def item_leaves(item_dir: str, handler: str
+                ) -> tuple[Optional[list], Optional[str]]:
+  """The leaves of one item of a native Orbax step, as Orbax records them.
+
+  Read with Orbax's public API: a new `ocp.StandardCheckpointHandler` or
+  `ocp.PyTreeCheckpointHandler` (whichever the step metadata names) and its
+  `metadata(directory)`, which reads the item's metadata files (no array
+  data). Orbax is imported here, not with this module. Without Orbax, the
+  leaf paths are read from the item's `_METADATA` JSON with dtype, shape and
+  size None.
+
+  Args:
+    item_dir: The item directory (`<root>/<step>/<item>`).
+    handler: The handler type name recorded for it ("" if unknown).
+
+  Returns:
+    (leaves or None, None or why they are unknown). Each leaf: `path`,
+    `kind` ("array", "scalar", "string", ...), `dtype` (a numpy name),
+    `shape` (list), `bytes` (None when unknown).
+  """
+  name = handler.rsplit(".", 1)[-1]
+  if name not in _TREE_HANDLERS:
+    return None, (f"not a tree item (handler {name})" if name else
+                  "no handler recorded")
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    from etils import epath  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return _json_leaves(item_dir), ORBAX_MISSING
+  reader = getattr(ocp, name)()
+  try:
+    metadata = reader.metadata(epath.Path(layout.absolute(item_dir)))
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"Orbax could not read its metadata: {type(e).__name__}: {e}"
+  finally:
+    reader.close()
+  leaves: list[dict] = []
+  _walk(getattr(metadata, "tree", metadata), [], leaves)
+  return leaves, None
+
+
+def _walk(node, keys: list, leaves: list) -> None:
+  """Flattens Orbax's metadata tree (dicts, lists, tuples) into `leaves`."""
+  if isinstance(node, dict):
+    for key, value in node.items():
+      _walk(value, keys + [str(key)], leaves)
+  elif isinstance(node, (list, tuple)):
+    for index, value in enumerate(node):
+      _walk(value, keys + [str(index)], leaves)
+  else:
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    shape = getattr(node, "shape", None)
+    dtype = getattr(node, "dtype", None)
+    dtype = None if dtype is None else np.dtype(dtype)
+    size = None
+    if shape is not None and dtype is not None:
+      size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    kind = type(node).__name__
+    leaves.append(dict(
+        path="/" + "/".join(keys),
+        kind=kind[:-len("Metadata")].lower() if kind.endswith("Metadata")
+        else kind,
+        dtype=None if dtype is None else dtype.name,
+        shape=None if shape is None else [int(d) for d in shape],
+        bytes=size))
+
+
+def _json_leaves(item_dir: str) -> Optional[list]:
+  """Leaf paths from an item's `_METADATA` JSON; dtype, shape, size None."""
+  tree = (_read_json(storage.join(item_dir, "_METADATA")) or {}).get(
+      "tree_metadata")
+  if not isinstance(tree, dict):
+    return None
   leaves = []
   for entry in tree.values():
     keys = [str(k.get("key")) for k in entry.get("key_metadata") or []]
-    value = entry.get("value_metadata") or {}
-    leaves.append(dict(path="/" + "/".join(keys),
-                       kind=value.get("value_type"), dtype=None,
-                       shape=value.get("write_shape"), bytes=0))
+    leaves.append(dict(path="/" + "/".join(keys), kind=None, dtype=None,
+                       shape=None, bytes=None))
   return leaves
+
+
+def _subtrees(leaves: list, by_item: bool) -> dict:
+  """Top-level key (`item/key` for native steps) -> leaves, bytes."""
+  subtrees: dict[str, dict] = collections.OrderedDict()
+  for leaf in leaves:
+    top = (leaf["path"] or "/").split("/")[1]
+    entry = subtrees.setdefault(f"{leaf['item']}/{top}" if by_item else top,
+                                {"leaves": 0, "bytes": 0})
+    entry["leaves"] += 1
+    if entry["bytes"] is not None and leaf["bytes"] is not None:
+      entry["bytes"] += leaf["bytes"]
+    else:
+      entry["bytes"] = None
+  return subtrees
 
 
 def _leaf_bytes(leaf: dict) -> int:
@@ -297,7 +432,8 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
 
   Args:
     root: The Orbax root.
-    source: The CLU directory (or multihost base) it was migrated from.
+    source: The CLU directory or `MultihostCheckpoint` base it was
+      migrated from (found by `plan.discover`; every host is compared).
 
   Returns:
     `ok`, `checked` (steps) and `problems` (sentences naming the files).
@@ -305,6 +441,7 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
   problems: list[str] = []
   compared = 0
   numbers, partial = list_steps(root)
+  src = None if source is None else _discover(source, problems)
   for name in partial:
     problems.append(f"{storage.join(root, name)}: unfinished step directory "
                     "(an interrupted save or migration)")
@@ -320,35 +457,55 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
       if not storage.isdir(item_dir) or not storage.listdir(item_dir):
         problems.append(f"{item_dir}: item listed in the step metadata is "
                         "missing or empty")
-    if source is not None and storage.exists(
+    if src is not None and storage.exists(
         storage.join(directory, "metadata", "metadata")):
       compared += 1
-      _compare_with_source(directory, source, problems)
-  if source is not None and not compared:
+      _compare_with_source(directory, src, problems)
+  if src is not None and not compared:
     problems.append(f"{root}: no migrated step to compare with {source}")
   if not numbers:
     problems.append(f"{root}: no finished step")
   return dict(ok=not problems, checked=len(numbers), problems=problems)
 
 
-def _compare_with_source(step_dir: str, source: str, problems: list) -> None:
+def _discover(source: str, problems: list):
+  """The CLU source (`plan.discover`: a directory or every host), or None."""
+  from clu_ckpt.migration import plan  # pylint: disable=g-import-not-at-top
+  try:
+    return plan.discover(source)
+  except (errors.CluCkptError, OSError, ValueError) as e:
+    text = (str(e).splitlines() or [type(e).__name__])[0]
+    problems.append(f"{source}: cannot be read as a CLU source: {text}")
+    return None
+
+
+def _compare_with_source(step_dir: str, src, problems: list) -> None:
+  """Compares a migrated step's leaf summary with every source host's file.
+
+  Every host directory of `src` (a `plan.Source`) must hold the `.flax` the
+  step was migrated from, with the same leaves (paths, dtypes, shapes), and
+  the step must have been migrated from the same hosts.
+  """
   clu = _read_json(storage.join(step_dir, "metadata", "metadata"))
   if not clu or "clu_checkpoint" not in clu:
     problems.append(f"{step_dir}: no migration metadata to compare with "
-                    f"{source}")
+                    f"{src.path}")
     return
-  hosts = layout.source_directories(source)
-  directory = source if None in hosts or not hosts else hosts[
-      clu.get("state_host", min(hosts))]
-  flax_path = storage.join(directory, f"{clu['clu_checkpoint']}.flax")
-  try:
-    expected = [(l.path, l.dtype, list(l.shape) if l.shape is not None else
-                 None) for l in flax_format.inspect_file(flax_path)]
-  except (OSError, flax_format.FlaxFormatError) as e:
-    problems.append(f"{flax_path}: cannot be read to compare: {e}")
-    return
+  host_ids = clu.get("host_ids")
+  if host_ids is not None and list(host_ids) != list(src.host_directories):
+    problems.append(
+        f"{step_dir}: migrated from hosts {list(host_ids)}, but {src.path} "
+        f"has hosts {list(src.host_directories)}")
   got = [(l.get("path"), l.get("dtype"), l.get("shape"))
          for l in clu.get("leaves") or []]
-  if got != expected:
-    problems.append(f"{step_dir}: leaves differ from {flax_path} (paths, "
-                    "dtypes or shapes)")
+  for host, directory in src.host_directories.items():
+    flax_path = storage.join(directory, f"{clu['clu_checkpoint']}.flax")
+    try:
+      expected = [(l.path, l.dtype, list(l.shape) if l.shape is not None else
+                   None) for l in flax_format.inspect_file(flax_path)]
+    except (OSError, flax_format.FlaxFormatError) as e:
+      problems.append(f"{flax_path}: cannot be read to compare: {e}")
+      continue
+    if got != expected:
+      problems.append(f"{step_dir}: leaves differ from {flax_path} (paths, "
+                      "dtypes or shapes)")

@@ -13,6 +13,7 @@ subprocess in which `import tensorflow` fails.
 import errno
 import inspect
 import json
+import logging
 import os
 import pathlib
 import re
@@ -33,6 +34,7 @@ import pytest
 import tensorflow as tf
 
 from clu_ckpt import checkpoint
+from clu_ckpt import errors
 from clu_ckpt import flax_format
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -872,6 +874,75 @@ def test_multihost_host_without_directory_initializes(tmp_path):
   assert late.latest_checkpoint == f"{base}-1/ckpt-1"
   ck0 = checkpoint.MultihostCheckpoint(base, host_id=0)
   assert ck0.get_latest_checkpoint_to_restore_from() == f"{base}-0/ckpt-1"
+
+
+def _clu_multihost(base: str, saves: dict[int, int], max_to_keep: int = 3):
+  """Host h saves steps 1 .. saves[h] with clu's own MultihostCheckpoint."""
+  for host, count in saves.items():
+    ck = clu_checkpoint.MultihostCheckpoint(base, host_id=host,
+                                            max_to_keep=max_to_keep)
+    for step in range(1, count + 1):
+      ck.save({"step": step, "host": host, "w": np.full((2, 3), host * 10 +
+                                                          step, np.int32)})
+
+
+@pytest.mark.parametrize("saves, common", [
+    ({0: 5, 1: 4}, 4),           # host 1 behind: its newest is common
+    ({0: 4, 1: 5, 2: 3}, 3),     # the slowest host decides
+    ({0: 3, 1: 3}, 3),
+])
+def test_load_state_dict_of_a_multihost_base(tmp_path, caplog, saves, common):
+  base = str(tmp_path / "checkpoints")
+  _clu_multihost(base, saves)
+  assert not os.path.exists(base)
+  with caplog.at_level(logging.INFO, logger="absl"):
+    got = checkpoint.load_state_dict(base)
+  want = f"{base}-0/ckpt-{common}"
+  theirs = clu_checkpoint.MultihostCheckpoint(base, host_id=0, max_to_keep=3)
+  assert theirs.get_latest_checkpoint_to_restore_from() == want
+  assert_trees_equal(got, theirs.restore_dict(), same_array_types=False)
+  assert got["step"] == common and got["host"] == 0
+  np.testing.assert_array_equal(
+      checkpoint.load_state_dict(base, subtree="w"),
+      np.full((2, 3), common, np.int32))
+  chose = [r.getMessage() for r in caplog.records
+           if "MultihostCheckpoint base" in r.getMessage()]
+  assert len(chose) == 1, [r.getMessage() for r in caplog.records]
+  assert base in chose[0] and want in chose[0] and f"{base}-0" in chose[0]
+
+
+def test_load_state_dict_multihost_without_common_number(tmp_path):
+  base = str(tmp_path / "checkpoints")
+  _clu_multihost(base, {0: 4, 1: 1}, max_to_keep=2)  # {3, 4} and {1}
+  with pytest.raises(FileNotFoundError, match="in common") as raised:
+    checkpoint.load_state_dict(base)
+  assert isinstance(raised.value, errors.CheckpointNotFoundError)
+  assert base in str(raised.value)
+
+
+def test_load_state_dict_multihost_explicit_checkpoint(tmp_path):
+  base = str(tmp_path / "checkpoints")
+  _clu_multihost(base, {0: 4, 1: 3})
+  got = checkpoint.load_state_dict(base, checkpoint=f"{base}-1/ckpt-2")
+  assert (got["step"], got["host"]) == (2, 1)
+  assert checkpoint.load_state_dict(
+      base, checkpoint=f"{base}-0/ckpt-4")["step"] == 4  # not common: as given
+  with pytest.raises(FileNotFoundError, match="ckpt-9"):
+    checkpoint.load_state_dict(base, checkpoint=f"{base}-0/ckpt-9")
+
+
+def test_load_state_dict_prefers_checkpoints_at_the_base_itself(tmp_path):
+  base = str(tmp_path / "checkpoints")
+  _clu_multihost(base, {0: 2, 1: 2})
+  checkpoint.Checkpoint(base).save({"step": 7})
+  assert checkpoint.load_state_dict(base) == {"step": 7}
+
+
+def test_load_state_dict_multihost_without_host_zero(tmp_path):
+  base = str(tmp_path / "checkpoints")
+  _clu_multihost(base, {1: 3, 2: 2})
+  got = checkpoint.load_state_dict(base)
+  assert (got["step"], got["host"]) == (2, 1)  # the lowest host's copy
 
 
 # ---------------------------------------------------------------------------

@@ -149,3 +149,74 @@ def test_neither_imports_tensorflow_nor_jax():
       "bad = [m for m in ('tensorflow', 'jax', 'flax', 'orbax') if m in sys.modules]\n"
       "assert not bad, bad\n")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------
+# Damaged checkpoints, multihost sources (written by the real clu).
+# --------------------------------------------------------------------------
+
+
+def _clu_dir(tmp_path):
+  from migration_helpers import clu_save, example_state
+  d = tmp_path / "ckpts"
+  clu_save(d, [example_state(s) for s in (1, 2, 3, 4)], max_to_keep=10)
+  return d
+
+
+def _cli(*args):
+  return subprocess.run([sys.executable, "-m", "clu_ckpt", *map(str, args)],
+                        capture_output=True, text=True)
+
+
+def test_inspect_lists_every_checkpoint_and_names_each_damage(tmp_path):
+  d = _clu_dir(tmp_path)
+  data = (d / "ckpt-2.flax").read_bytes()
+  (d / "ckpt-2.flax").write_bytes(data[:40])
+  (d / "ckpt-3.flax").write_bytes(b"\xc1" + data[1:])
+  (d / "ckpt-4.flax").write_text("oid sha256:abc\nsize 12\n")
+  report = inspection.inspect_path(str(d))
+  rows = {r["number"]: r for r in report["checkpoints"]}
+  assert sorted(rows) == [1, 2, 3, 4] and rows[1]["damage"] == []
+  assert "truncated at byte 40" in rows[2]["damage"][0]
+  assert "not msgpack at byte 0" in rows[3]["damage"][0]
+  assert rows[4]["damage"] == [
+      f"{d / 'ckpt-4.flax'}: not a Flax checkpoint: starts with text "
+      "'oid sha256:abc\\nsize 12\\n' (a text file, not msgpack)"]
+  assert report["problems"] == [rows[n]["damage"][0] for n in (2, 3, 4)]
+  assert report["tree"]["number"] == 1  # the latest sound one
+  done = _cli("inspect", d)
+  assert done.returncode == 1 and "Traceback" not in done.stderr
+  assert done.stdout.count("damaged") >= 3
+  assert done.stderr.strip() == (
+      f"clu-ckpt inspect: error: {d}: 3 problems (see above)")
+  assert any("starts with text" in p
+             for p in inspection.verify_path(str(d))["problems"])
+
+
+def test_inspect_of_a_damaged_chosen_checkpoint_has_no_tree(tmp_path):
+  d = _clu_dir(tmp_path)
+  (d / "ckpt-4.flax").write_bytes(b"")
+  report = inspection.inspect_path(str(d), checkpoint=4)
+  assert report["tree"] is None
+  assert report["problems"] and "ckpt-4.flax" in report["problems"][0]
+
+
+def test_verify_a_migrated_root_against_every_host(tmp_path):
+  from migration_helpers import example_state, multihost_save
+  from clu_ckpt import migration
+  base = tmp_path / "mh" / "ckpts"
+  multihost_save(base, [[example_state(1), example_state(2)]] * 2)
+  migration.migrate(str(base), str(tmp_path / "dst"))
+  done = _cli("verify", tmp_path / "dst", "--source", base)
+  assert done.returncode == 0, done.stdout + done.stderr
+  # A difference on host 1 (not the state host) is found.
+  victim = tmp_path / "mh" / "ckpts-1" / "ckpt-2.flax"
+  other = flax_format.load_file(str(victim), writable=True)
+  other["params"]["extra"] = np.zeros(2, np.float32)
+  flax_format.save_file(other, str(victim))
+  result = inspection.verify_orbax_root(str(tmp_path / "dst"), str(base))
+  assert not result["ok"]
+  assert [p for p in result["problems"] if str(victim) in p]
+  done = _cli("verify", tmp_path / "dst", "--source", tmp_path / "nowhere")
+  assert done.returncode == 1 and "Traceback" not in done.stderr
+  assert "cannot be read as a CLU source" in done.stdout

@@ -1,6 +1,8 @@
 """Tests for `clu_ckpt.layout`: checkpoint names and directory containment."""
 
+import logging
 import os
+import re
 
 import pytest
 
@@ -111,3 +113,35 @@ def test_absolute_makes_local_paths_plain_and_absolute(tmp_path, monkeypatch):
   assert layout.absolute("gs://b//runs/./a/") == "gs://b/runs/a"
   with pytest.raises(errors.UsageError):
     layout.absolute("")
+
+
+def test_multihost_latest_only_for_a_multihost_base(tmp_path):
+  base = tmp_path / "checkpoints"
+  assert layout.multihost_latest(str(base), "ckpt") is None  # nothing there
+  base.mkdir()
+  assert layout.multihost_latest(str(base), "ckpt") is None  # no hosts
+  (tmp_path / "checkpoints-0").mkdir()
+  (tmp_path / "checkpoints-1").mkdir()
+  with pytest.raises(errors.CheckpointNotFoundError,
+                     match=re.escape(str(base))):
+    layout.multihost_latest(str(base), "ckpt")  # hosts, nothing in common
+  (base / "ckpt-1.flax").write_bytes(b"")
+  # The base holds checkpoints itself: it is read as a checkpoint directory.
+  assert layout.multihost_latest(str(base), "ckpt") is None
+
+
+def test_multihost_latest_newest_common_from_the_lowest_host(tmp_path,
+                                                             caplog):
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  base = str(tmp_path / "checkpoints")
+  for host, count in {1: 4, 2: 3, 3: 5}.items():
+    ck = checkpoint.MultihostCheckpoint(base, host_id=host, max_to_keep=3)
+    for step in range(1, count + 1):
+      ck.save({"step": step})
+  with caplog.at_level(logging.INFO, logger="absl"):
+    path = layout.multihost_latest(base + "/", "ckpt")
+  assert path == f"{base}-1/ckpt-3"
+  assert any(path in r.getMessage() and "host 1" in r.getMessage()
+             for r in caplog.records)
+  with pytest.raises(errors.CheckpointNotFoundError, match="model-<number>"):
+    layout.multihost_latest(base, "model")  # another name: none in common

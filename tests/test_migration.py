@@ -387,7 +387,7 @@ def _guide_blocks():
 
 def test_guide_code_resumes_training_exactly(tmp_path):
   blocks = _guide_blocks()
-  assert set(blocks) == {"common", "before", "after"}
+  assert {"common", "before", "after"} <= set(blocks)
   ns = {}
   for name in ("common", "before", "after"):
     code = compile(blocks[name], f"README:{name}", "exec")
@@ -404,3 +404,44 @@ def test_guide_code_resumes_training_exactly(tmp_path):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
   with ocp.CheckpointManager(tmp_path / "orbax") as mngr:
     assert list(mngr.all_steps()) == [100, 200, 300]
+
+
+def test_guide_habit_table_options_behave_as_the_table_says(tmp_path):
+  ns = {}
+  exec(compile(_guide_blocks()["habits"], "README:habits", "exec"), ns)  # pylint: disable=exec-used
+  options = ns["habit_options"]()
+  tree = {"w": np.arange(4, dtype=np.float32)}
+
+  def manager(name):
+    return ocp.CheckpointManager(tmp_path / name, options=options[name])
+
+  def save(mngr, step, **kwargs):
+    saved = mngr.save(step, args=ocp.args.StandardSave(tree), **kwargs)
+    mngr.wait_until_finished()
+    return saved
+
+  with manager("max_to_keep") as mngr:
+    for step in range(7):
+      save(mngr, step)
+    assert list(mngr.all_steps()) == [2, 3, 4, 5, 6]
+  with manager("every_1000_steps") as mngr:
+    saved = [step for step in range(0, 2500, 50) if save(mngr, step)]
+    assert saved == [0, 1000, 2000] == list(mngr.all_steps())
+  with manager("every_10_minutes") as mngr:
+    assert save(mngr, 1) and not mngr.should_save(2)
+  with manager("temporary_and_permanent") as mngr:
+    for step in (10_000, 10_001, 10_002):
+      save(mngr, step)
+    assert list(mngr.all_steps()) == [10_000, 10_002]
+  with manager("best_by_metric") as mngr:
+    for step, acc in enumerate([0.5, 0.9, 0.1, 0.8, 0.7]):
+      save(mngr, step, metrics={"accuracy": acc})
+    assert sorted(mngr.all_steps()) == [1, 3, 4]
+  with manager("async") as mngr:
+    mngr.save(5, args=ocp.args.StandardSave(tree))
+    mngr.wait_until_finished()
+    assert list(mngr.all_steps()) == [5]
+  with manager("keep_every_6_hours") as mngr:
+    for step in range(7):
+      save(mngr, step)
+    assert len(list(mngr.all_steps())) >= 5

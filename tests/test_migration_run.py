@@ -372,3 +372,32 @@ def test_steps_carry_the_source_save_time(tmp_path, golden_copy):
       assert meta.custom_metadata["clu_ckpt"]["source"] == str(src)
       assert meta.custom_metadata["clu_ckpt"]["clu_checkpoint_number"] == (
           step // 100)
+
+
+def test_progress_events_carry_the_run_size(tmp_path, golden_copy):
+  src = golden_copy("single_host")
+  events = []
+  summary = migration.migrate(str(src), str(tmp_path / "dst"),
+                              progress=events.append)
+  assert summary.ok and events
+  assert {e.count for e in events} == {3}
+  assert {e.total_nbytes for e in events} == {
+      sum(s.nbytes for s in summary.steps)}
+
+
+def test_interrupt_abandons_the_step_and_keeps_the_others(tmp_path,
+                                                          golden_copy):
+  src = golden_copy("single_host")
+  dst = tmp_path / "dst"
+
+  def interrupt_the_second(event):
+    if event.event == "start" and event.number == 4:
+      raise KeyboardInterrupt()
+
+  with pytest.raises(migration.run.MigrationInterrupted) as e:
+    migration.migrate(str(src), str(dst), progress=interrupt_the_second)
+  assert [(s.number, s.status) for s in e.value.summary.steps] == [
+      (3, "migrated"), (4, "interrupted")]
+  assert e.value.remaining == [5]
+  assert not [p for p in os.listdir(dst) if "orbax-checkpoint-tmp" in p]
+  assert migration.migrate(str(src), str(dst)).ok

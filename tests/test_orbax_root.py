@@ -1,6 +1,8 @@
 """Tests for `clu_ckpt.orbax_root`: Orbax roots described without Orbax."""
 
+import json
 import os
+import re
 import subprocess
 import sys
 
@@ -9,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from clu_ckpt import errors
+from clu_ckpt import inspection
 from clu_ckpt import orbax_root
 
 
@@ -45,15 +48,112 @@ def test_native_root_is_described(tmp_path):
   assert result["ok"], result
 
 
-def test_imports_no_orbax_tensorstore_or_jax(tmp_path):
-  _native_root(tmp_path / "root", [1])
-  code = ("import sys; from clu_ckpt import orbax_root; "
-          f"orbax_root.inspect_orbax_root({str(tmp_path / 'root')!r}); "
+def test_importing_the_module_imports_no_orbax_tensorstore_or_jax():
+  code = ("import sys; from clu_ckpt import orbax_root, inspection; "
           "heavy = [m for m in ('orbax', 'tensorstore', 'jax', 'tensorflow') "
           "if m in sys.modules]; print(heavy)")
   done = subprocess.run([sys.executable, "-c", code], capture_output=True,
                         text=True, check=True)
   assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def _tree_root(root):
+  """Native steps: Composite(state=StandardSave, extra=JsonSave) at 3,
+  default-item StandardSave at 5 of another root, PyTreeSave at 7."""
+  tree = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3),
+                     "b": np.ones(3, np.int16)},
+          "step": np.int64(3), "lr": 0.5}
+  with ocp.CheckpointManager(str(root / "composite")) as mngr:
+    mngr.save(3, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(tree), extra=ocp.args.JsonSave({"a": 1})))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(str(root / "standard")) as mngr:
+    mngr.save(5, args=ocp.args.StandardSave(tree))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(str(root / "pytree")) as mngr:
+    mngr.save(7, args=ocp.args.PyTreeSave(dict(tree, name="sgd")))
+    mngr.wait_until_finished()
+
+
+def _by_path(report):
+  return {(l.get("item"), l["path"]): (l["dtype"], l["shape"], l["bytes"])
+          for l in report["tree"]["leaves"]}
+
+
+def _orbax_says(step_dir, item):
+  """What Orbax's own CheckpointManager reports for one item, registered."""
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  registry.add(item, ocp.args.StandardRestore, ocp.StandardCheckpointHandler())
+  with ocp.CheckpointManager(str(step_dir), handler_registry=registry) as m:
+    meta = m.item_metadata(m.latest_step())[item]
+  return {k: (v.dtype.name, list(v.shape)) for k, v in meta.tree.items()
+          if hasattr(v, "dtype")}
+
+
+def test_native_composite_root_reports_its_items_and_orbax_metadata(tmp_path):
+  _tree_root(tmp_path)
+  report = orbax_root.inspect_orbax_root(str(tmp_path / "composite"))
+  assert report["steps"][0]["items"] == ["extra", "state"]  # no "metadata"
+  assert report["problems"] == []
+  tree = report["tree"]
+  assert tree["source"] == "orbax" and tree["number"] == 3
+  leaves = _by_path(report)
+  assert leaves[("state", "/params/w")] == ("float32", [2, 3], 24)
+  assert leaves[("state", "/params/b")] == ("int16", [3], 6)
+  assert leaves[("state", "/step")] == ("int64", [], 8)
+  assert leaves[("state", "/lr")] == ("float64", [], 8)
+  assert tree["total_bytes"] == 46
+  assert tree["items"]["extra"]["unknown"].startswith("not a tree item")
+  assert _orbax_says(tmp_path / "composite", "state")["step"] == (
+      "int64", [])
+  text = inspection.format_inspect(report)
+  assert "metadata item" not in text and "jax.Array" not in text
+  assert re.search(r"state +/params/w +float32 +\(2, 3\) +24 B", text)
+
+
+def test_native_default_item_roots(tmp_path):
+  _tree_root(tmp_path)
+  standard = orbax_root.inspect_orbax_root(str(tmp_path / "standard"))
+  assert standard["steps"][0]["items"] == ["default"]
+  assert _by_path(standard)[("default", "/params/w")] == (
+      "float32", [2, 3], 24)
+  pytree = orbax_root.inspect_orbax_root(str(tmp_path / "pytree"))
+  leaves = _by_path(pytree)
+  assert leaves[("default", "/params/b")] == ("int16", [3], 6)
+  assert leaves[("default", "/name")] == (None, None, None)
+  assert pytree["tree"]["total_bytes"] is None  # a string's size: unknown
+  assert "unknown" in inspection.format_inspect(pytree)
+
+
+def test_without_orbax_native_leaves_are_unknown(tmp_path):
+  _tree_root(tmp_path)
+  code = ("import sys, json; sys.modules['orbax'] = None\n"
+          "from clu_ckpt import inspection\n"
+          f"r = inspection.inspect_path({str(tmp_path / 'composite')!r})\n"
+          "print(json.dumps(r['tree']))\n"
+          "print(inspection.format_inspect(r))\n")
+  done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                        text=True, check=True)
+  tree = json.loads(done.stdout.splitlines()[0])
+  assert sorted(l["path"] for l in tree["leaves"]) == [
+      "/lr", "/params/b", "/params/w", "/step"]
+  assert all(l["dtype"] is None and l["bytes"] is None
+             for l in tree["leaves"])
+  assert "Orbax is not installed" in tree["items"]["state"]["unknown"]
+  assert re.search(r"state +/params/w +unknown +unknown +unknown",
+                   done.stdout)
+
+
+def test_cli_inspect_native_root(tmp_path):
+  _tree_root(tmp_path)
+  done = subprocess.run(
+      [sys.executable, "-m", "clu_ckpt", "inspect",
+       str(tmp_path / "composite"), "--json"],
+      capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr
+  report = json.loads(done.stdout)
+  assert report["steps"][0]["items"] == ["extra", "state"]
+  assert _by_path(report)[("state", "/params/w")] == ("float32", [2, 3], 24)
 
 
 @pytest.mark.parametrize("name", ["5.orbax-checkpoint-tmp-1", "5"])

@@ -74,6 +74,7 @@ from clu_ckpt.migration.run import describe_error
 from clu_ckpt.migration.run import FORMAT
 from clu_ckpt.migration.run import migrate
 from clu_ckpt.migration.run import MigrationError
+from clu_ckpt.migration.run import MigrationInterrupted
 from clu_ckpt.migration.run import MigrationSummary
 from clu_ckpt.migration.run import Progress
 from clu_ckpt.migration.run import ProgressFn
@@ -86,7 +87,7 @@ from clu_ckpt.migration.verify import verify_step
 __all__ = [
     "COMPRESSIONS", "DATASET_ITEM", "DEFAULT_INFLIGHT_BYTES",
     "DestinationLockedError", "FORMAT", "METADATA_ITEM", "Manifest",
-    "MigrationError", "VerificationError", "lock", "read_manifest", "MigrationSummary", "OrbaxTarget",
+    "MigrationError", "MigrationInterrupted", "VerificationError", "lock", "read_manifest", "MigrationSummary", "OrbaxTarget",
     "Progress", "ProgressFn", "STATE_ITEM", "STEP_NAMINGS", "Selection",
     "Source", "SourceCheckpoint", "StepResult", "Target", "decode_state",
     "describe_error", "discover", "encode_state", "list_steps", "migrate",

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import os
 import re
+import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
@@ -34,8 +35,10 @@ from clu_ckpt import layout
 from clu_ckpt import storage
 from clu_ckpt.migration import codec
 from clu_ckpt.migration import destination as destination_lib
+from clu_ckpt.migration import interrupt
 from clu_ckpt.migration import orbax_target
 from clu_ckpt.migration import plan
+from clu_ckpt.migration import results
 from clu_ckpt.migration import template as template_lib
 from clu_ckpt.migration import verify as verify_lib
 
@@ -49,100 +52,12 @@ _KEPT_HANDLES = 64
 MigrationError = errors.MigrationError
 
 
-# --------------------------------------------------------------------------
-# Results.
-# --------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class StepResult:
-  """What happened to one CLU checkpoint.
-
-  Attributes:
-    number: The CLU checkpoint number (`ckpt-<number>`).
-    step: The Orbax step it maps to (None when its state could not be read
-      to name it).
-    status: "migrated", "skipped" (already in the destination), "planned"
-      (dry run) or "failed".
-    nbytes: Bytes of array data in the state.
-    seconds: Wall time spent on it.
-    verified: True when `verify` compared it with the source.
-    error: Why it failed.
-  """
-  number: int
-  step: Optional[int]
-  status: str
-  nbytes: int = 0
-  seconds: float = 0.0
-  verified: bool = False
-  error: Optional[str] = None
-
-
-@dataclasses.dataclass
-class MigrationSummary:
-  """The outcome of `migrate`.
-
-  Attributes:
-    source: The source base directory.
-    destination: The Orbax root directory.
-    kind: "Checkpoint" or "MultihostCheckpoint".
-    hosts: Host ids found (`[0]` for a single-host source).
-    step_naming: "state" or "number": how steps were named.
-    steps: One result per selected checkpoint, oldest first.
-    not_on_all_hosts: Checkpoint numbers some host lacks (not migrated).
-    dry_run: Nothing was written.
-  """
-  source: str
-  destination: str
-  kind: str
-  hosts: list[int]
-  step_naming: str
-  steps: list[StepResult]
-  not_on_all_hosts: list[int] = dataclasses.field(default_factory=list)
-  dry_run: bool = False
-
-  @property
-  def ok(self) -> bool:
-    """True when no checkpoint failed."""
-    return not self.failed
-
-  @property
-  def failed(self) -> list[StepResult]:
-    return [s for s in self.steps if s.status == "failed"]
-
-  @property
-  def step_mapping(self) -> dict[int, int]:
-    """CLU checkpoint number -> Orbax step."""
-    return {s.number: s.step for s in self.steps if s.step is not None}
-
-  def to_json(self) -> dict[str, Any]:
-    """The summary as JSON-serializable data."""
-    data = dataclasses.asdict(self)
-    data["ok"] = self.ok
-    return data
-
-
-@dataclasses.dataclass(frozen=True)
-class Progress:
-  """A progress report passed to `migrate(progress=...)`.
-
-  Attributes:
-    event: "start" (a step begins), "bytes" (array data written), "done",
-      "skipped", "failed" or "verified".
-    number: CLU checkpoint number.
-    step: Orbax step.
-    nbytes: For "start", the step's total array bytes; for "bytes", the
-      bytes just written.
-    message: For "failed", the error.
-  """
-  event: str
-  number: int
-  step: Optional[int]
-  nbytes: int = 0
-  message: str = ""
-
-
-ProgressFn = Callable[[Progress], None]
+# The result types live in `results`; re-exported here (public names).
+StepResult = results.StepResult
+MigrationSummary = results.MigrationSummary
+Progress = results.Progress
+ProgressFn = results.ProgressFn
+MigrationInterrupted = results.MigrationInterrupted
 
 
 def migrate(source: str,
@@ -241,6 +156,10 @@ def migrate(source: str,
       or `inflight_bytes` given too), or the destination holds another
       source's steps.
     DestinationLockedError: Another migration is writing to `destination`.
+    MigrationInterrupted: Ctrl-C (a KeyboardInterrupt in the calling
+      thread): the step under way is abandoned (nothing of it is left) and
+      the destination unlocked; its `summary` says what was done. While the
+      abandoned step's writes stop, further SIGINTs are ignored.
   """
   if compression not in COMPRESSIONS:
     raise MigrationError(f"unknown compression {compression!r}; use one of "
@@ -261,6 +180,7 @@ def migrate(source: str,
   # Each checkpoint's `.flax`, opened and parsed once, used by every stage.
   handles: dict[int, flax_format.FlaxFile] = {}
   usable = []
+  sizes: dict[int, int] = {}
   for ckpt in chosen:
     try:
       host = _state_host(src, state_host)
@@ -268,6 +188,7 @@ def migrate(source: str,
       # written.
       handle = flax_format.FlaxFile(ckpt.flax_path(host), read_data=False)
       steps[ckpt.number] = plan.state_step(handle)
+      sizes[ckpt.number] = handle.nbytes
       if len(handles) < _KEPT_HANDLES and storage.is_local(handle.path):
         handles[ckpt.number] = handle
       else:
@@ -279,6 +200,7 @@ def migrate(source: str,
                                         error=describe_error(e))
   try:
     naming, mapping = plan.name_steps(usable, steps, step_naming)
+    notify = _with_plan(notify, len(chosen), sum(sizes.values()))
     for number, result in results.items():
       notify(Progress("failed", number, result.step, message=result.error))
 
@@ -296,16 +218,46 @@ def migrate(source: str,
           src.path, allow_other_sources=allow_other_sources,
           foreign_steps=writer.foreign_steps(existing, manifest))
       for ckpt in usable:
-        results[ckpt.number] = writer.run(
-            ckpt, handles.pop(ckpt.number, None), existing, manifest,
-            dry_run, verify)
+        try:
+          results[ckpt.number] = writer.run(
+              ckpt, handles.pop(ckpt.number, None), existing, manifest,
+              dry_run, verify)
+        except KeyboardInterrupt as e:
+          results[ckpt.number] = StepResult(
+              ckpt.number, mapping.get(ckpt.number), "interrupted",
+              sizes.get(ckpt.number, 0))
+          raise _interrupted(src, destination, naming, chosen, results,
+                             dry_run) from e
   finally:
     for handle in handles.values():
       handle.close()
-  ordered = [results[c.number] for c in chosen]
+  return _summary(src, destination, naming, chosen, results, dry_run)
+
+
+def _with_plan(notify: ProgressFn, count: int, total: int) -> ProgressFn:
+  """`notify`, each event given the run's checkpoint count and bytes."""
+  return lambda event: notify(dataclasses.replace(
+      event, count=count, total_nbytes=total))
+
+
+def _summary(src: plan.Source, destination: str, naming: str,
+             chosen: list[plan.SourceCheckpoint],
+             done: dict[int, StepResult], dry_run: bool) -> MigrationSummary:
+  """The summary of the checkpoints in `done`, in `chosen`'s order."""
+  ordered = [done[c.number] for c in chosen if c.number in done]
   return MigrationSummary(src.path, destination, src.kind,
                           sorted(src.host_directories), naming, ordered,
                           src.not_on_all_hosts, dry_run)
+
+
+def _interrupted(src: plan.Source, destination: str, naming: str,
+                 chosen: list[plan.SourceCheckpoint],
+                 done: dict[int, StepResult],
+                 dry_run: bool) -> MigrationInterrupted:
+  """The `MigrationInterrupted` for a run stopped after `done`."""
+  remaining = [c.number for c in chosen if c.number not in done]
+  return MigrationInterrupted(
+      _summary(src, destination, naming, chosen, done, dry_run), remaining)
 
 
 def _locked(destination: str, dry_run: bool):
@@ -425,6 +377,10 @@ class _Writer:
         manifest.record(self.src.path, ckpt.number, ckpt.name, step,
                         kind=self.src.kind, verified=result.verified)
     except Exception as e:  # pylint: disable=broad-except
+      if interrupt.caused_by_interrupt(e):
+        # Ctrl-C, turned into another error on its way (e.g. an OSError
+        # from a clean-up it cut short): the run stops, it does not go on.
+        raise KeyboardInterrupt() from e
       # Whatever goes wrong with one checkpoint, the others still migrate.
       logging.debug("checkpoint %d failed", ckpt.number, exc_info=True)
       result.status, result.error = "failed", describe_error(e)
@@ -494,10 +450,25 @@ class _Writer:
              orbax_target.METADATA_ITEM: meta}
     if dataset is not None:
       items[orbax_target.DATASET_ITEM] = dataset
-    on_bytes = lambda n: self.notify(Progress("bytes", ckpt.number, step, n))
-    self.target.write_step(step, items, on_bytes, saved_at=ckpt.saved_at,
-                           custom_metadata=self._custom_metadata(ckpt),
-                           **extra)
+    stop = threading.Event()
+
+    def on_bytes(n: int) -> None:
+      if stop.is_set():
+        interrupt.cancel_running_tasks()
+      else:
+        self.notify(Progress("bytes", ckpt.number, step, n))
+
+    before = set(threading.enumerate())
+    try:
+      self.target.write_step(step, items, on_bytes, saved_at=ckpt.saved_at,
+                             custom_metadata=self._custom_metadata(ckpt),
+                             **extra)
+    except BaseException as e:
+      if not interrupt.caused_by_interrupt(e):
+        raise
+      stop.set()
+      interrupt.abandon(self.target, step, before)
+      raise KeyboardInterrupt() from e
 
   def _custom_metadata(self, ckpt: plan.SourceCheckpoint) -> dict[str, Any]:
     """The step's Orbax custom metadata: where it came from."""
