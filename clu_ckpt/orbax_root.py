@@ -468,21 +468,38 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
   return dict(ok=not problems, checked=len(numbers), problems=problems)
 
 
-def _discover(source: str, problems: list):
-  """The CLU source (`plan.discover`: a directory or every host), or None."""
-  from clu_ckpt.migration import plan  # pylint: disable=g-import-not-at-top
+class _Source:
+  """A CLU source as `layout` sees it: its path and its host directories."""
+
+  def __init__(self, path: str, host_directories: dict[int, str]):
+    self.path = path
+    self.host_directories = host_directories
+
+
+def _discover(source: str, problems: list) -> Optional[_Source]:
+  """The CLU source (a directory, or every host of a base), or None."""
   try:
-    return plan.discover(source)
+    path = layout.absolute(source)
+    directories = layout.source_directories(path)
   except (errors.CluCkptError, OSError, ValueError) as e:
     text = (str(e).splitlines() or [type(e).__name__])[0]
     problems.append(f"{source}: cannot be read as a CLU source: {text}")
     return None
+  if not directories or (None in directories and not
+                         layout.is_checkpoint_directory(path)):
+    problems.append(f"{source}: cannot be read as a CLU source: no CLU "
+                    "checkpoint here (no `checkpoint` file, and no "
+                    f"`{os.path.basename(path)}-<host_id>` directories)")
+    return None
+  if None in directories:  # a single `Checkpoint` directory is host 0
+    directories = {0: directories[None]}
+  return _Source(path, dict(sorted(directories.items())))
 
 
 def _compare_with_source(step_dir: str, src, problems: list) -> None:
   """Compares a migrated step's leaf summary with every source host's file.
 
-  Every host directory of `src` (a `plan.Source`) must hold the `.flax` the
+  Every host directory of `src` must hold the `.flax` the
   step was migrated from, with the same leaves (paths, dtypes, shapes), and
   the step must have been migrated from the same hosts.
   """

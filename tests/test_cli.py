@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import orbax.checkpoint as ocp
 import pytest
@@ -520,19 +521,23 @@ def test_ctrl_c_abandons_the_step_and_a_rerun_resumes(tmp_path):
 
 
 def test_ctrl_c_during_verify_is_one_line(tmp_path):
-  import signal  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
+  # A real process whose verify gets SIGINT while it reads the first
+  # checkpoint (deterministically: the signal is sent from inside it).
   src = tmp_path / "src"
   _big_source(src, checkpoints=2)
+  code = textwrap.dedent("""
+      import os, signal, sys
+      from clu_ckpt import cli, flax_format
+      opened = flax_format.FlaxFile.__init__
+      def interrupted(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        opened(self, *args, **kwargs)
+      flax_format.FlaxFile.__init__ = interrupted
+      sys.exit(cli.main(["verify", sys.argv[1]]))
+  """)
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-  proc = subprocess.Popen([sys.executable, "-m", "clu_ckpt", "verify",
-                           str(src)], stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, env=env)
-  time.sleep(1.0)
-  proc.send_signal(signal.SIGINT)
-  out, err = proc.communicate(timeout=120)
-  if proc.returncode == 0:
-    pytest.skip("verify finished before the signal")
-  assert proc.returncode == 130, out + err
-  assert err.strip().splitlines() == [
-      f"clu-ckpt verify: interrupted: {src} not finished"], err
+  proc = subprocess.run([sys.executable, "-c", code, str(src)],
+                        capture_output=True, text=True, env=env, timeout=120)
+  assert proc.returncode == 130, proc.stdout + proc.stderr
+  assert proc.stderr.strip().splitlines() == [
+      f"clu-ckpt verify: interrupted: {src} not finished"], proc.stderr

@@ -89,6 +89,18 @@ def test_symlinked_lock_file_is_refused_and_target_untouched(tmp_path):
   assert outside.read_text() == "precious"
 
 
+def test_hard_linked_lock_file_is_refused_and_other_name_untouched(tmp_path):
+  outside = tmp_path / "outside"
+  outside.write_text("precious")
+  root = tmp_path / "root"
+  root.mkdir()
+  os.link(outside, root / destination.LOCK_NAME)
+  with pytest.raises(errors.MigrationError, match="hard links"):
+    with destination.lock(str(root)):
+      pass
+  assert outside.read_text() == "precious"
+
+
 def test_fifo_lock_file_is_refused_without_hanging(tmp_path):
   os.mkfifo(tmp_path / destination.LOCK_NAME)
   start = time.monotonic()

@@ -130,10 +130,16 @@ def _open_lock_file(path: str) -> int:
       raise MigrationError(f"{path}: the lock file is a symlink; refused "
                            "(remove it if nothing is migrating)") from e
     raise
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
+  st = os.fstat(fd)
+  if not stat.S_ISREG(st.st_mode):
     os.close(fd)
     raise MigrationError(f"{path}: the lock file is not a regular file; "
                          "refused (remove it if nothing is migrating)")
+  if st.st_nlink != 1:
+    # A hard link to a file elsewhere: writing the holder would change it.
+    os.close(fd)
+    raise MigrationError(f"{path}: the lock file has {st.st_nlink} hard "
+                         "links; refused (remove it if nothing is migrating)")
   return fd
 
 
