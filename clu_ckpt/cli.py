@@ -44,17 +44,15 @@ import os
 import re
 import sys
 import threading
-import time
 import traceback
-from typing import Any, Callable, Iterator, Optional, Sequence, TextIO
+from typing import Any, Iterator, Optional, Sequence, TextIO
 
 from absl import logging as absl_logging
 
 from clu_ckpt import __version__
+from clu_ckpt import progress
 
-_GIB = 2**30
 _MIB = 2**20
-_REDRAW_SECONDS = 0.1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -279,7 +277,11 @@ def _run_verify(args: argparse.Namespace) -> int:
       return 2
     result = inspection.verify_orbax_root(args.path, args.source)
   else:
-    result = inspection.verify_path(args.path)
+    report = progress.VerifyReport(sys.stderr, sys.stderr.isatty())
+    try:
+      result = inspection.verify_path(args.path, progress=report)
+    finally:
+      report.close()
   if args.json:
     print(json.dumps(result, indent=1))
   else:
@@ -422,7 +424,7 @@ def _run_migrate(args: argparse.Namespace) -> int:
         traceback.print_exc()
       print(f"clu-ckpt migrate: error: {e}", file=sys.stderr)
       return 1
-  report = _ProgressReport(sys.stderr, sys.stderr.isatty())
+  report = progress.MigrationReport(sys.stderr, sys.stderr.isatty())
   try:
     summary = migration.migrate(
         args.source,
@@ -484,135 +486,8 @@ def _print_summary(summary: Any, out: TextIO) -> None:
         or "nothing to migrate", file=out)
 
 
-class _ProgressReport:
-  """Renders `migration.Progress` events for the terminal or a log.
-
-  On a terminal: one tqdm bar over the whole run (checkpoint i/N, bytes
-  done of the total, rate, ETA), with a line per finished checkpoint above
-  it. Otherwise one line per event, ending with the run's progress.
-  """
-
-  def __init__(self, out: TextIO, tty: bool,
-               clock: Callable[[], float] = time.monotonic):
-    self._out = out
-    self._tty = tty
-    self._clock = clock
-    self._lock = threading.Lock()
-    self._count = self._index = 0
-    self._total = self._finished = self._current = 0
-    self._started = self._step_started = clock()
-    self._bar: Any = None
-
-  def __call__(self, event: Any) -> None:
-    with self._lock:
-      if not self._count and getattr(event, "count", 0):
-        self._on_plan(event)
-      handler = getattr(self, f"_on_{event.event}", None)
-      if handler is not None:
-        handler(event)
-
-  def _label(self, event: Any) -> str:
-    step = "?" if event.step is None else event.step
-    return f"ckpt-{event.number} -> step {step}"
-
-  def _on_plan(self, event: Any) -> None:
-    """Learns the run's size from the first event that carries it."""
-    self._count, self._total = event.count, event.total_nbytes
-    self._started = self._clock()
-    if self._tty:
-      import tqdm  # pylint: disable=g-import-not-at-top
-      self._bar = tqdm.tqdm(
-          total=event.total_nbytes, unit="B", unit_scale=True, unit_divisor=1024,
-          file=self._out, mininterval=_REDRAW_SECONDS, dynamic_ncols=True,
-          desc=f"[0/{event.count}]", leave=False)
-
-  def _on_start(self, event: Any) -> None:
-    self._index += 1
-    self._current = 0
-    self._step_started = self._clock()
-    if self._bar is not None:
-      self._bar.set_description_str(
-          f"[{self._index}/{self._count}] {self._label(event)}")
-    else:
-      self._line(f"migrating {self._label(event)} ({_size(event.nbytes)}) "
-                 f"[{self._index}/{self._count}]")
-
-  def _on_bytes(self, event: Any) -> None:
-    self._current += event.nbytes
-    if self._bar is not None:
-      self._bar.update(event.nbytes)
-
-  def _on_done(self, event: Any) -> None:
-    seconds = max(self._clock() - self._step_started, 1e-9)
-    self._finish(event.nbytes)
-    self._line(f"migrated {self._label(event)}: {_size(event.nbytes)} in "
-               f"{seconds:.1f} s ({_size(event.nbytes / seconds)}/s)"
-               f"{self._overall()}")
-
-  def _on_skipped(self, event: Any) -> None:
-    self._index += 1
-    self._finish(event.nbytes)
-    self._line(f"skipped {self._label(event)}: already in the destination"
-               f"{self._overall()}")
-
-  def _on_verified(self, event: Any) -> None:
-    self._line(f"verified {self._label(event)}")
-
-  def _on_failed(self, event: Any) -> None:
-    if self._current or self._index == 0:
-      self._finish(0)
-    self._line(f"FAILED {self._label(event)}: {event.message}")
-
-  def _finish(self, nbytes: int) -> None:
-    """Counts a finished checkpoint's bytes (the bar catches up to them)."""
-    if self._bar is not None:
-      self._bar.update(max(0, nbytes - self._current))
-    self._finished += nbytes
-    self._current = 0
-
-  def _overall(self) -> str:
-    """" [i/N, done of total, ETA t]" (empty before the plan is known)."""
-    if not self._count:
-      return ""
-    elapsed = self._clock() - self._started
-    left = self._total - self._finished
-    eta = (f", ETA {_duration(elapsed * left / self._finished)}"
-           if self._finished and left > 0 else "")
-    return (f" [{self._index}/{self._count}, {_size(self._finished)} of "
-            f"{_size(self._total)}{eta}]")
-
-  def _line(self, text: str) -> None:
-    if self._bar is not None:
-      self._bar.write(text, file=self._out)
-    else:
-      self._out.write(text + "\n")
-      self._out.flush()
-
-  def close(self) -> None:
-    """Takes the bar off the terminal."""
-    with self._lock:
-      if self._bar is not None:
-        self._bar.close()
-        self._bar = None
-
-
-def _duration(seconds: float) -> str:
-  """`seconds` as "42 s", "3 min 20 s" or "2 h 05 min"."""
-  seconds = int(round(seconds))
-  if seconds < 60:
-    return f"{seconds} s"
-  if seconds < 3600:
-    return f"{seconds // 60} min {seconds % 60:02d} s"
-  return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
-
-
-def _size(n: float) -> str:
-  if n >= _GIB:
-    return f"{n / _GIB:.2f} GiB"
-  if n >= _MIB:
-    return f"{n / _MIB:.1f} MiB"
-  return f"{n / 1024:.1f} KiB" if n >= 1024 else f"{int(n)} B"
-
-
 if __name__ == "__main__":
   sys.exit(main())
+
+
+_ProgressReport = progress.MigrationReport  # the name tests used

@@ -35,7 +35,7 @@ import collections
 import datetime
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from clu_ckpt import flax_format
 from clu_ckpt import errors
@@ -398,7 +398,9 @@ def _human(n: Optional[int]) -> str:
 # --------------------------------------------------------------------------
 
 
-def verify_path(path: str) -> dict[str, Any]:
+def verify_path(path: str,
+                progress: Optional[Callable[..., None]] = None
+                ) -> dict[str, Any]:
   """Checks that every committed checkpoint at `path` is sound.
 
   Checked: every committed `.flax` decodes completely (every header, every
@@ -406,8 +408,14 @@ def verify_path(path: str) -> dict[str, Any]:
   are present; in a multihost base, the hosts have a checkpoint in common and
   hold the same tree (paths, dtypes, shapes) for each common number.
 
+  Example::
+
+    report = verify_path("/ckpts")   # {"ok": True, "checked": 3, ...}
+
   Args:
     path: A CLU directory, multihost base or `.flax` file.
+    progress: Called after each `.flax` file as `progress(done, count, name,
+      nbytes, total_nbytes)` (see `clu_ckpt.progress.VerifyReport`).
 
   Returns:
     `ok` (bool), `checked` (number of files decoded) and `problems` (list of
@@ -425,6 +433,7 @@ def verify_path(path: str) -> dict[str, Any]:
         f"{path}: no CLU checkpoint directory or multihost base here"])
   trees: dict[int, dict[Any, list]] = collections.defaultdict(dict)
   numbers: dict[Any, set] = {}
+  work: list[tuple[Any, str, dict]] = []
   for host, directory in hosts.items():
     found = [c for c in list_checkpoints(directory, problems)
              if c["committed"] and c["readable"]]
@@ -440,17 +449,29 @@ def verify_path(path: str) -> dict[str, Any]:
         problems.append(f"{prefix}.index: missing (TensorFlow files of a "
                         "committed checkpoint)")
     numbers[host] = {c["number"] for c in found}
-    for c in found:
-      checked += 1
-      leaves = _decode_fully(c["prefix"] + ".flax", problems)
-      if leaves is not None:
-        trees[c["number"]][host] = leaves
-      _check_tf_shards(directory, c, problems)
+    work.extend((host, directory, c) for c in found)
+  sizes = [_size_or_zero(c["prefix"] + ".flax") for _, _, c in work]
+  for (host, directory, c), nbytes in zip(work, sizes):
+    checked += 1
+    leaves = _decode_fully(c["prefix"] + ".flax", problems)
+    if leaves is not None:
+      trees[c["number"]][host] = leaves
+    _check_tf_shards(directory, c, problems)
+    if progress is not None:
+      progress(checked, len(work), os.path.basename(c["prefix"]) + ".flax",
+               nbytes, sum(sizes))
   if None not in hosts:
     _check_hosts(path, hosts, numbers, trees, problems)
   if not checked:
     problems.append(f"{path}: no committed checkpoint found")
   return dict(ok=not problems, checked=checked, problems=problems)
+
+
+def _size_or_zero(path: str) -> int:
+  try:
+    return storage.stat(path)[0]
+  except OSError:
+    return 0
 
 
 def _verify_flax(path: str, problems: list, checked: int) -> dict[str, Any]:
