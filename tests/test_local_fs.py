@@ -269,3 +269,37 @@ def test_gfile_back_end_ranged_read_and_rename():
   assert not fs.exists(f"{base}/a")
   fs.remove_tree(base)
   assert not tf.io.gfile.exists(base)
+
+
+def test_cached_file_is_not_populated_again(tmp_path, monkeypatch):
+  """A file wholly in the page cache is left to the caller's faults."""
+  if not hasattr(os, "posix_fadvise"):
+    pytest.skip("no posix_fadvise: the page cache cannot be emptied")
+  path = str(tmp_path / "f")
+  with open(path, "wb") as f:
+    f.write(os.urandom(8 * 2**20))
+    f.flush()
+    os.fsync(f.fileno())
+  populated = []
+  monkeypatch.setattr(local_fs, "_populate",
+                      lambda buffer: populated.append(len(buffer)))
+  with open(path, "rb") as f:
+    f.read()  # now cached
+  assert local_fs._resident(storage.map_file(path))  # pylint: disable=protected-access
+  storage.map_file(path)
+  assert populated == []
+  _evict(path)
+  mapped = storage.map_file(path)
+  if _resident_share(mapped) > 0.5:
+    pytest.skip("the page cache cannot be emptied here")
+  assert populated == [8 * 2**20]
+  # Half cached is not cached: the sampled pages find the other half.
+  del mapped
+  with open(path, "rb") as f:
+    f.read()
+    os.posix_fadvise(f.fileno(), 4 * 2**20, 0, os.POSIX_FADV_DONTNEED)
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                        access=mmap.ACCESS_READ) as raw:
+    if not 0.4 < _resident_share(raw) < 0.6:
+      pytest.skip("the page cache cannot be emptied in part here")
+    assert not local_fs._resident(raw)  # pylint: disable=protected-access
