@@ -16,6 +16,13 @@ Synopsis::
     out = run_child("print(json.dumps(attempt(lambda: storage.stat("
                     "sys.argv[1]))))", str(tmp_path / "x"))
     # out: {"error": ..., "errno": ..., "seconds": ...} or {"returned": ...}
+
+  @pytest.mark.soak  # minutes long: skipped unless `--soak` is given
+  def test_kill_anywhere(tmp_path): ...
+
+`python -m pytest -q tests` skips the `soak` tests (each has a quick version
+in the default run); `--soak` runs them too, `--soak -m soak` only them.
+They are run before a release (README.md, "Tests").
 """
 
 import json
@@ -36,6 +43,38 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 FIXTURES = (pathlib.Path(__file__).resolve().parents[2] / "shared" /
             "fixtures" / "clu-0.0.12")
+
+
+# --------------------------------------------------------------------------
+# Soak tests: long kill loops and end-to-end runs, skipped unless --soak.
+# --------------------------------------------------------------------------
+
+SOAK_REASON = ("soak test (minutes): run with `python -m pytest -q tests "
+               "--soak` (all tests) or `python -m pytest -q tests --soak -m "
+               "soak` (only the soaks); they are run before a release")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+  parser.addoption(
+      "--soak", action="store_true", default=False,
+      help="also run the tests marked `soak` (long kill loops, end-to-end "
+      "runs; run before a release). Add `-m soak` to run only them.")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+  config.addinivalue_line(
+      "markers", "soak: a long soak or end-to-end kill test; skipped unless "
+      "--soak is given (run before a release)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+  if config.getoption("--soak"):
+    return
+  skip = pytest.mark.skip(reason=SOAK_REASON)
+  for item in items:
+    if item.get_closest_marker("soak") is not None:
+      item.add_marker(skip)
 
 
 def golden_case(name: str) -> pathlib.Path:

@@ -495,6 +495,9 @@ def _interrupt_after_first_step(argv, dst):
   return proc.returncode, rest.strip().splitlines()
 
 
+# A soak (run with --soak: 300 MiB migrated twice); the quick Ctrl-C test is
+# the next one.
+@pytest.mark.soak
 def test_ctrl_c_abandons_the_step_and_a_rerun_resumes(tmp_path):
   from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.dirname(__file__))

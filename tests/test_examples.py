@@ -5,9 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
 
+# A soak (run with --soak): the steps are each covered by faster tests.
+@pytest.mark.soak
 def test_demo_end_to_end(tmp_path):
   proc = subprocess.run(
       [sys.executable, str(DEMO), "--tiny", "--workdir", str(tmp_path)],

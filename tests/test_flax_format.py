@@ -696,6 +696,9 @@ def test_small_chunk_size_really_chunks(tmp_path, monkeypatch):
   assert data[w_info.offset:w_info.offset + 4] == arr[:1].tobytes()
 
 
+# A soak (run with --soak: 1 GiB of file, 3 GiB of memory); the tests above
+# chunk small arrays with a small MAX_CHUNK_SIZE.
+@pytest.mark.soak
 def test_chunked_array_over_one_gib(tmp_path):
   """The real thing: Flax's 1 GiB limit, written and read back exactly."""
   n = 2**28 + 7  # uint32: 1 GiB + 28 bytes, two chunks
@@ -1596,26 +1599,54 @@ def _measure(path: Path, subtree: str = "y") -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _shape_file(name: str) -> bytes:
+  """The file of family `name` ("hostile/..." or "legit/...")."""
+  kind, family = name.split("/")
+  if kind == "hostile":
+    return _wrapped(_HOSTILE_SHAPES[family](_SHAPE_BYTES_OF.get(
+        family, _SHAPE_BYTES)))
+  return _wrapped(serialization.to_bytes(
+      _LEGIT_STATES[family](_SHAPE_BYTES)))
+
+
+class _ShapeReports(dict):
+  """{name: (file size, `_measure` report)}, each measured on first use."""
+
+  def __init__(self, directory: Path):
+    super().__init__()
+    self.directory = directory
+
+  def _write(self, name: str) -> tuple[int, Path]:
+    data = _shape_file(name)
+    path = self.directory / (name.replace("/", "-") + ".flax")
+    path.write_bytes(data)
+    return len(data), path
+
+  def __missing__(self, name: str) -> tuple[int, dict]:
+    size, path = self._write(name)
+    self[name] = (size, _measure(path))
+    return self[name]
+
+  def measure_all(self) -> None:
+    """Every family measured in a child, two children at a time."""
+    names = [f"hostile/{n}" for n in _HOSTILE_SHAPES] + [
+        f"legit/{n}" for n in _LEGIT_STATES]
+    written = {name: self._write(name) for name in names}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      futures = {name: pool.submit(_measure, path)
+                 for name, (_, path) in written.items()}
+      for name, (size, _) in written.items():
+        self[name] = (size, futures[name].result())
+
+
 @pytest.fixture(scope="module")
-def shape_reports(tmp_path_factory) -> dict[str, tuple[int, dict]]:
-  """Every family measured in a child, two children at a time."""
-  directory = tmp_path_factory.mktemp("shapes")
-  files = {}
-  for name, build in _HOSTILE_SHAPES.items():
-    files[f"hostile/{name}"] = _wrapped(build(_SHAPE_BYTES_OF.get(
-        name, _SHAPE_BYTES)))
-  for name, build in _LEGIT_STATES.items():
-    files[f"legit/{name}"] = _wrapped(serialization.to_bytes(
-        build(_SHAPE_BYTES)))
-  paths = {}
-  for name, data in files.items():
-    paths[name] = directory / (name.replace("/", "-") + ".flax")
-    paths[name].write_bytes(data)
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = {name: pool.submit(_measure, path)
-               for name, path in paths.items()}
-    return {name: (len(files[name]), futures[name].result())
-            for name in files}
+def shape_reports(tmp_path_factory, request) -> dict[str, tuple[int, dict]]:
+  """The families measured in children: all of them, two at a time, when the
+  soak tests run (--soak); otherwise only those a test asks for."""
+  reports = _ShapeReports(tmp_path_factory.mktemp("shapes"))
+  if request.config.getoption("--soak"):
+    reports.measure_all()
+  return reports
 
 
 def _check_bounded(size: int, report: dict, legit: bool) -> None:
@@ -1639,6 +1670,9 @@ def _check_bounded(size: int, report: dict, legit: bool) -> None:
   assert not problems, problems
 
 
+# The two tests of `shape_reports` are soaks (run with --soak: 16 child
+# processes); their quick versions are the in-process tests after them.
+@pytest.mark.soak
 @pytest.mark.parametrize("name", sorted(_HOSTILE_SHAPES))
 def test_hostile_shapes_cost_bounded_memory_and_linear_time(name,
                                                             shape_reports):
@@ -1646,6 +1680,7 @@ def test_hostile_shapes_cost_bounded_memory_and_linear_time(name,
   _check_bounded(size, report, legit=False)
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("name", sorted(_LEGIT_STATES))
 def test_many_small_leaves_states_decode_within_the_bound(name, shape_reports):
   size, report = shape_reports[f"legit/{name}"]

@@ -307,7 +307,7 @@ def _run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
                         env=env)
 
 
-@pytest.mark.parametrize("fifo, call", [
+_NAMED_PIPE_CASES = [
     ("checkpoint", "checkpoint.Checkpoint(run, dict(ds=ds))"),
     ("checkpoint", "checkpoint.load_state_dict(run)"),
     ("ckpt-1.flax", "checkpoint.load_state_dict(run)"),
@@ -315,29 +315,58 @@ def _run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ("ckpt-1.index", "checkpoint.Checkpoint(run, dict(ds=ds)).restore(None)"),
     ("ckpt-1.data-00000-of-00001",
      "checkpoint.Checkpoint(run, dict(ds=ds)).restore(None)"),
-])
-def test_named_pipe_is_an_error_not_a_hang(tmp_path, fifo, call):
-  run = tmp_path / "run"
-  checkpoint.Checkpoint(str(run), dict(ds=dataset_iterator())).save(
-      {"x": np.arange(3)})
-  (run / fifo).unlink()
-  os.mkfifo(run / fifo)
+]
+
+
+@pytest.fixture(scope="module")
+def named_pipe_children(tmp_path_factory):
+  """Every case of the next test tried in one child (one TensorFlow import,
+  not one per case), each on its own run whose `fifo` is a named pipe.
+
+  Returns:
+    ({(fifo, call): what the case printed}, the child's completed process,
+    its wall-clock seconds).
+  """
+  root = tmp_path_factory.mktemp("named_pipes")
+  cases = []
+  for i, (fifo, call) in enumerate(_NAMED_PIPE_CASES):
+    run = root / f"case{i}" / "run"
+    checkpoint.Checkpoint(str(run), dict(ds=dataset_iterator())).save(
+        {"x": np.arange(3)})
+    (run / fifo).unlink()
+    os.mkfifo(run / fifo)
+    cases.append(textwrap.indent(textwrap.dedent(f"""
+        print("CASE {i}", flush=True)
+        run = {str(run)!r}
+        ds = iter(tf.data.Dataset.range(1000).batch(2))
+        start = time.monotonic()
+        try:
+          {call}
+        except OSError as e:
+          print("ERROR", type(e).__name__, e,
+                round(time.monotonic() - start, 3), flush=True)
+        else:
+          print("NO ERROR", flush=True)
+        """), "      "))
   started = time.monotonic()
-  child = _run_child(f"""
+  child = _run_child("""
       import sys, time
       import tensorflow as tf
       from clu_ckpt import checkpoint
-      run = {str(run)!r}
-      ds = iter(tf.data.Dataset.range(1000).batch(2))
-      start = time.monotonic()
-      try:
-        {call}
-      except OSError as e:
-        print("ERROR", type(e).__name__, e, round(time.monotonic() - start, 3))
-        sys.exit(0)
-      print("NO ERROR")
-  """)
-  assert time.monotonic() - started < 60
-  assert child.stdout.startswith("ERROR"), child.stdout + child.stderr
-  assert fifo in child.stdout and "named pipe" in child.stdout
-  assert float(child.stdout.split()[-1]) < 1.0
+""" + "".join(cases))
+  seconds = time.monotonic() - started
+  printed = {}
+  for part in child.stdout.split("CASE ")[1:]:
+    i, text = part.split("\n", 1)
+    printed[_NAMED_PIPE_CASES[int(i)]] = text
+  return printed, child, seconds
+
+
+@pytest.mark.parametrize("fifo, call", _NAMED_PIPE_CASES)
+def test_named_pipe_is_an_error_not_a_hang(named_pipe_children, fifo, call):
+  printed, child, seconds = named_pipe_children
+  assert seconds < 60
+  stdout = printed.get((fifo, call), "")
+  assert stdout.startswith("ERROR"), child.stdout + child.stderr
+  assert fifo in stdout and "named pipe" in stdout
+  assert float(stdout.split()[-1]) < 1.0

@@ -207,7 +207,7 @@ def _assert_listed_steps_restore_exactly(src, dst):
 
 
 def test_two_migrations_at_once_one_waits_out(tmp_path):
-  src = _source(tmp_path)
+  src = _source(tmp_path, mib=1)  # the size does not matter here
   dst = tmp_path / "dst"
   holder = _holder(dst)   # the "first" migration, holding the lock
   try:
@@ -227,6 +227,8 @@ def test_two_migrations_at_once_one_waits_out(tmp_path):
   assert _assert_listed_steps_restore_exactly(src, dst) == 4
 
 
+# A soak (run with --soak): the lock tests above are its quick versions.
+@pytest.mark.soak
 def test_killed_migrations_never_leave_a_bad_listed_step(tmp_path):
   import random  # pylint: disable=g-import-not-at-top
   src = _source(tmp_path)

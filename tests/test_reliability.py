@@ -46,6 +46,24 @@ P = _harness.kill_point
 # --------------------------------------------------------------------------
 
 
+def test_single_host_kill_point_restores_last_committed(tmp_path):
+  """The quick version of the next test (a soak): one SIGKILL inside the
+  .flax write, then a fresh process restores exactly the last committed
+  checkpoint and saves on."""
+  chain = _harness.SingleHostChain(tmp_path / "ckpts", timeout=240)
+  # Saves 2 and 3 complete; the third save dies at its first write of the
+  # temporary .flax of 4.
+  r = chain.round(P("os.write"), 1, save=3)
+  assert (r["restored"], r["returncode"], r["saves"]) == (1, -9, 2)
+  # ckpt-4.flax was never renamed into place: 3 is the last committed.
+  r = chain.round(None, steps=2)
+  assert (r["restored"], r["returncode"], r["saves"]) == (3, 0, 2)
+  report = inspection.verify_path(str(tmp_path / "ckpts"))
+  assert report["ok"], report["problems"]
+  assert report["checked"] == 3
+
+
+@pytest.mark.soak
 def test_single_host_kill_points_restore_last_committed(tmp_path):
   chain = _harness.SingleHostChain(tmp_path / "ckpts", timeout=240)
 
@@ -92,6 +110,9 @@ def test_single_host_kill_points_restore_last_committed(tmp_path):
 # --------------------------------------------------------------------------
 
 
+# A soak (run with --soak); its quick versions: the in-process multi-host
+# crash tests below and the two-process save in tests/test_orbax_items.py.
+@pytest.mark.soak
 def test_multihost_kill_one_host_mid_save(tmp_path):
   chain = _harness.MultihostChain(tmp_path / "checkpoints", 2, timeout=240)
   # Host 1 dies in its third save (ckpt-4) after TensorFlow wrote the files,
