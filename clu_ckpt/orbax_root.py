@@ -222,10 +222,20 @@ def _step_items(directory: str, meta: dict) -> dict[str, str]:
   """
   recorded = _item_handlers(meta)
   if not meta:
-    recorded = {name.rstrip("/"): "" for name in storage.listdir(directory)
-                if storage.isdir(storage.join(directory, name))}
+    recorded = {name.rstrip("/"): "" for name in storage.listdir(directory)}
   return {name: handler for name, handler in sorted(recorded.items())
-          if storage.isdir(storage.join(directory, name))}
+          if _item_inside(directory, name)
+          and storage.isdir(storage.join(directory, name))}
+
+
+def _item_inside(directory: str, name: str) -> bool:
+  """Whether item `name` (read from disk) is a directory entry of the step
+  that stays in it, symlinks followed: `../x` or a link elsewhere is not."""
+  try:
+    layout.check_inside(directory, storage.join(directory, name))
+  except (errors.OutsideDirectoryError, OSError):
+    return False
+  return True
 
 
 def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
@@ -452,9 +462,12 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
       problems.append(f"{storage.join(directory, _ORBAX_STEP_METADATA)}: "
                       "missing or not JSON")
       continue
-    for item in meta.get("item_handlers") or {}:
+    for item in _item_handlers(meta):
       item_dir = storage.join(directory, item)
-      if not storage.isdir(item_dir) or not storage.listdir(item_dir):
+      if not _item_inside(directory, item):
+        problems.append(f"{item_dir}: item listed in the step metadata leads "
+                        "out of the step; refused")
+      elif not storage.isdir(item_dir) or not storage.listdir(item_dir):
         problems.append(f"{item_dir}: item listed in the step metadata is "
                         "missing or empty")
     if src is not None and storage.exists(

@@ -427,10 +427,9 @@ def count_statuses(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
 
 def write_report(path: str, report: Mapping[str, Any]) -> None:
   """Writes `report` as JSON, atomically (a reader never sees half of it)."""
-  partial = f"{path}.partial-{os.getpid()}"
-  with open(partial, "w") as f:
-    json.dump(report, f, indent=1)
-  os.replace(partial, path)
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  with storage.atomic_writer(path) as write:
+    write(json.dumps(report, indent=1).encode("utf-8"))
 
 
 def load_report(path: str) -> dict[str, Any]:

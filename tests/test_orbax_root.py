@@ -271,3 +271,17 @@ def test_relative_and_file_url_roots(tmp_path, monkeypatch):
   assert orbax_root.list_steps(f"file://{tmp_path}/runs/root/") == want
   with pytest.raises(errors.UsageError):
     orbax_root.list_steps("")
+
+
+def test_item_names_from_disk_cannot_lead_out_of_the_step(tmp_path):
+  root = tmp_path / "root"
+  (root / "1" / "state").mkdir(parents=True)
+  (root / "1" / "state" / "x").write_text("x")
+  (tmp_path / "outside").mkdir()
+  (tmp_path / "outside" / "secret").write_text("s")
+  (root / "1" / "linked").symlink_to(tmp_path / "outside")
+  meta = {"item_handlers": {"../../outside": "h", "linked": "h", "state": "h"}}
+  (root / "1" / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+  assert list(orbax_root._step_items(str(root / "1"), meta)) == ["state"]  # pylint: disable=protected-access
+  problems = orbax_root.verify_orbax_root(str(root))["problems"]
+  assert sum("leads out of the step" in p for p in problems) == 2
