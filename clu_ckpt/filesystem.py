@@ -110,6 +110,16 @@ class FileSystem(abc.ABC):
   def atomic_writer(self, path: str) -> ContextManager[Callable[[Any], None]]:
     """A context manager yielding `write(bytes_like)`; see `atomic_writer`."""
 
+  def create_exclusive(self, path: str, data: bytes) -> None:
+    """Writes `data` at `path` only if nothing is there, atomically.
+
+    Raises:
+      FileExistsError: Something is already at `path`.
+      NotImplementedError: The store cannot do this atomically.
+    """
+    raise NotImplementedError(
+        f"{type(self).__name__} cannot create {path} exclusively")
+
   def sync(self, path: str) -> None:
     """Makes a file written by someone else durable; no-op by default."""
 

@@ -300,6 +300,25 @@ class LocalFileSystem(filesystem.FileSystem):
     # Crash tests stop a save at `local_fs.fsync_directory`.
     fsync_directory(os.path.dirname(final) or ".")
 
+  def create_exclusive(self, path: str, data: bytes) -> None:
+    """Written under a temporary name, then hard-linked into place."""
+    final = local_path(path)
+    tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+      fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+      try:
+        _write_all(fd, data)
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+      os.link(tmp, final)  # fails with EEXIST if anything is at `final`
+    except OSError as e:
+      raise _naming(e, final) from e
+    finally:
+      with contextlib.suppress(OSError):
+        os.remove(tmp)
+    fsync_directory(os.path.dirname(final) or ".")
+
   def sync(self, path: str) -> None:
     local = local_path(path)
     fsync_path(local)

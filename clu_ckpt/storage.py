@@ -8,7 +8,9 @@ place where back ends are chosen:
 - plain paths and `file://` URLs: `local_fs.LocalFileSystem` (the os module,
   memory maps with read-ahead advice, O_DIRECT staged writes + fsync +
   rename, regular-file checks that never block on a FIFO);
-- any other `scheme://` (`gs://...`): `gfile_fs.GFileFileSystem`
+- `gs://` and `s3://`: `fsspec_fs.FsspecFileSystem` (gcsfs, s3fs; ranged
+  reads, commit by upload, no TensorFlow);
+- any other `scheme://` (`hdfs://...`): `gfile_fs.GFileFileSystem`
   (`tf.io.gfile`, TensorFlow imported only then), unless a back end was
   registered for that scheme with `register_filesystem`.
 
@@ -30,7 +32,7 @@ Synopsis::
     write(b"...")
   buf = storage.map_file("/ckpts/ckpt-3.flax")
   storage.check_regular_file("/ckpts/ckpt-3.index")  # or NotRegularFileError
-  storage.filesystem("gs://bucket/x")  # the GFileFileSystem
+  storage.filesystem("gs://bucket/x")  # the FsspecFileSystem (gcsfs)
   storage.register_filesystem("s3", MyS3FileSystem)  # a new back end
 """
 
@@ -65,13 +67,21 @@ def _local_fs() -> FileSystem:
   return local_fs.LocalFileSystem()
 
 
+def _fsspec_fs(scheme: str) -> Callable[[], FileSystem]:
+  def factory() -> FileSystem:
+    from clu_ckpt import fsspec_fs  # pylint: disable=g-import-not-at-top
+    return fsspec_fs.FsspecFileSystem(scheme)
+  return factory
+
+
 def _gfile_fs() -> FileSystem:
   from clu_ckpt import gfile_fs  # pylint: disable=g-import-not-at-top
   return gfile_fs.GFileFileSystem()
 
 
 _FACTORIES: dict[str, Callable[[], FileSystem]] = {
-    "": _local_fs, "file": _local_fs, _DEFAULT: _gfile_fs}
+    "": _local_fs, "file": _local_fs, "gs": _fsspec_fs("gs"),
+    "s3": _fsspec_fs("s3"), _DEFAULT: _gfile_fs}
 _INSTANCES: dict[str, FileSystem] = {}
 _LOCK = threading.Lock()
 
@@ -107,7 +117,8 @@ def filesystem(path: str) -> FileSystem:
   Example::
 
     storage.filesystem("/ckpts")          # a local_fs.LocalFileSystem
-    storage.filesystem("gs://b/ckpts")    # a gfile_fs.GFileFileSystem
+    storage.filesystem("gs://b/ckpts")    # a fsspec_fs.FsspecFileSystem
+    storage.filesystem("hdfs://n/ckpts")  # a gfile_fs.GFileFileSystem
 
   Args:
     path: A path or URL.
@@ -275,9 +286,9 @@ def atomic_writer(path: str) -> Iterator[Callable[[Any], None]]:
   Locally the data goes to `<path>.tmp-<unique>` in the same directory, is
   flushed to disk (fsync), and is renamed over `path`; the directory is then
   fsynced so the rename itself survives a power cut. If the block raises, the
-  temporary file is removed and `path` is untouched. Remote objects
-  (`gs://...`) are written through `tf.io.gfile`, which publishes them only
-  when closed.
+  temporary file is removed and `path` is untouched. Objects in
+  buckets (`gs://`, `s3://`) are streamed into an upload that completes when
+  the block ends and is discarded if it raises.
 
   Local data is staged through two reused 16 MiB buffers (one filling while
   a helper thread writes the other) and written with `O_DIRECT` where the
@@ -299,6 +310,27 @@ def atomic_writer(path: str) -> Iterator[Callable[[Any], None]]:
   """
   with filesystem(path).atomic_writer(path) as write:
     yield write
+
+
+def create_exclusive(path: str, data: bytes) -> None:
+  """Writes `data` at `path` only if nothing is there, atomically.
+
+  Locally `O_CREAT | O_EXCL` (the file appears whole: written under a
+  temporary name, then hard-linked into place); on GCS and S3 a conditional
+  upload. The primitive the migration's lock on object stores is built on.
+
+  Example::
+
+    try:
+      storage.create_exclusive("gs://b/orbax/.clu_ckpt.lock", b"{...}")
+    except FileExistsError:
+      ...  # somebody holds it
+
+  Raises:
+    FileExistsError: Something is already at `path`.
+    NotImplementedError: The back end cannot do it atomically (gfile).
+  """
+  filesystem(path).create_exclusive(path, data)
 
 
 def sync(path: str) -> None:

@@ -158,3 +158,54 @@ def run_child(code: str, *args: str, timeout: float = 30) -> Any:
 def run_child_fixture() -> Callable[..., Any]:
   """Returns `run_child(code, *args, timeout=30)`: see `run_child`."""
   return run_child
+
+
+# --------------------------------------------------------------------------
+# Object-store emulators (tests/emulators.py), one of each per session.
+# --------------------------------------------------------------------------
+
+
+def _emulator(kind, tmp_path_factory):
+  import emulators  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  emulator = kind(tmp_path_factory.mktemp(kind.__name__.lower()))
+  try:
+    emulator.start()
+  except (ImportError, OSError, RuntimeError) as e:
+    emulator.stop()
+    pytest.skip(f"the {kind.__name__} emulator cannot start here: {e}")
+  saved = {k: os.environ.get(k) for k in
+           list(emulators.ENV) + list(emulator.env())}
+  os.environ.update(emulators.ENV)
+  os.environ.update(emulator.env())
+  storage._INSTANCES.pop(emulator.scheme, None)  # pylint: disable=protected-access
+  try:
+    yield emulator
+  finally:
+    emulator.stop()
+    storage._INSTANCES.pop(emulator.scheme, None)  # pylint: disable=protected-access
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+  """fake-gcs-server on 127.0.0.1 (`emulators.FakeGcs`); env set in-process."""
+  import emulators  # pylint: disable=g-import-not-at-top
+  yield from _emulator(emulators.FakeGcs, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+  """moto's S3 server on 127.0.0.1 (`emulators.MotoS3`); env set in-process."""
+  import emulators  # pylint: disable=g-import-not-at-top
+  yield from _emulator(emulators.MotoS3, tmp_path_factory)
+
+
+@pytest.fixture(params=["gcs", "s3"])
+def bucket_store(request):
+  """Each emulator in turn (for tests every store must pass)."""
+  return request.getfixturevalue(request.param)

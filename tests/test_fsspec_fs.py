@@ -1,0 +1,190 @@
+"""The object-store back end (`clu_ckpt.fsspec_fs`) against real emulators.
+
+Every test runs on fake-gcs-server and on moto's S3 server (`bucket_store`),
+both on 127.0.0.1 (tests/emulators.py), through `clu_ckpt.storage` as the
+package uses it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from clu_ckpt import errors
+from clu_ckpt import fsspec_fs
+from clu_ckpt import storage
+
+
+@pytest.fixture
+def root(bucket_store):
+  return f"{bucket_store.scheme}://{bucket_store.bucket()}/run"
+
+
+def test_chooses_fsspec_for_buckets():
+  assert isinstance(storage.filesystem("gs://b/x"), fsspec_fs.FsspecFileSystem)
+  assert isinstance(storage.filesystem("s3://b/x"), fsspec_fs.FsspecFileSystem)
+  assert not isinstance(storage.filesystem("/x"), fsspec_fs.FsspecFileSystem)
+
+
+def test_split_url():
+  assert fsspec_fs.split_url("gs://b/runs/a/") == ("gs", "b", "runs/a")
+  assert fsspec_fs.split_url("S3://b") == ("s3", "b", "")
+  with pytest.raises(ValueError, match="not a bucket URL"):
+    fsspec_fs.split_url("/local/path")
+
+
+def test_write_list_stat_read(root):
+  data = bytes(range(256)) * 1000
+  with storage.atomic_writer(f"{root}/ckpt-1.flax") as write:
+    write(data[:1000])
+    write(memoryview(data)[1000:])
+  storage.atomic_writer  # pylint: disable=pointless-statement
+  with storage.atomic_writer(f"{root}/sub/checkpoint") as write:
+    write(b"x")
+  assert storage.exists(f"{root}/ckpt-1.flax")
+  assert storage.isdir(f"{root}/sub")
+  assert not storage.isdir(f"{root}/ckpt-1.flax")
+  assert storage.listdir(root) == ["ckpt-1.flax", "sub"]
+  assert storage.glob(f"{root}/ckpt-*.flax") == [f"{root}/ckpt-1.flax"]
+  size, mtime = storage.stat(f"{root}/ckpt-1.flax")
+  assert size == len(data) and mtime > 1.7e9
+  fs = storage.filesystem(root)
+  assert fs.read_bytes(f"{root}/ckpt-1.flax", 1000, 24) == data[1000:1024]
+  assert fs.read_bytes(f"{root}/ckpt-1.flax", len(data) - 3) == data[-3:]
+  assert storage.read_bytes(f"{root}/ckpt-1.flax") == data
+
+
+def test_map_spools_by_ranges(root, monkeypatch):
+  monkeypatch.setattr(fsspec_fs, "SPOOL_CHUNK", 4096)
+  data = os.urandom(4096 * 5 + 123)
+  with storage.atomic_writer(f"{root}/big") as write:
+    write(data)
+  buf = storage.map_file(f"{root}/big")
+  assert bytes(buf) == data
+  assert storage.map_file(f"{root}/big", populate=False)[:10] == data[:10]
+
+
+def test_failed_write_leaves_no_object(root):
+  with pytest.raises(KeyError):
+    with storage.atomic_writer(f"{root}/torn.flax") as write:
+      write(b"a" * (fsspec_fs.UPLOAD_BLOCK + 10))  # one part sent already
+      raise KeyError("killed")
+  assert not storage.exists(f"{root}/torn.flax")
+  with storage.atomic_writer(f"{root}/whole") as write:
+    write(b"old")
+  with pytest.raises(KeyError):
+    with storage.atomic_writer(f"{root}/whole") as write:
+      write(b"new")
+      raise KeyError("killed")
+  assert storage.read_bytes(f"{root}/whole") == b"old"
+
+
+def test_remove_tree_keeps_siblings_with_the_same_prefix(root):
+  for name in ("1/a", "1/b/c", "10/a", "1x"):
+    with storage.atomic_writer(f"{root}/{name}") as write:
+      write(b"x")
+  storage.remove_tree(f"{root}/1")
+  assert storage.listdir(root) == ["10", "1x"]
+  storage.remove_tree(f"{root}/missing")  # not an error
+  storage.remove(f"{root}/missing")  # not an error
+  storage.remove(f"{root}/1x")
+  assert storage.listdir(root) == ["10"]
+
+
+def test_create_exclusive(root):
+  storage.create_exclusive(f"{root}/.lock", b"first")
+  with pytest.raises(FileExistsError) as info:
+    storage.create_exclusive(f"{root}/.lock", b"second")
+  assert f"{root}/.lock" in str(info.value)
+  assert storage.read_bytes(f"{root}/.lock") == b"first"
+
+
+def test_create_exclusive_local(tmp_path):
+  path = str(tmp_path / "lock")
+  storage.create_exclusive(path, b"first")
+  with pytest.raises(FileExistsError):
+    storage.create_exclusive(path, b"second")
+  assert open(path, "rb").read() == b"first"
+  assert os.listdir(tmp_path) == ["lock"]
+
+
+def test_rename_is_refused(root):
+  with pytest.raises(NotImplementedError):
+    storage.rename(f"{root}/a", f"{root}/b")
+
+
+def test_missing_things_are_named(bucket_store, root):
+  with pytest.raises(FileNotFoundError, match="missing.flax"):
+    storage.stat(f"{root}/missing.flax")
+  with pytest.raises(FileNotFoundError, match="missing.flax"):
+    storage.map_file(f"{root}/missing.flax")
+  with pytest.raises(FileNotFoundError, match="no-such-bucket-x1.*does not exist"):
+    storage.makedirs(f"{bucket_store.scheme}://no-such-bucket-x1/run")
+  with pytest.raises(FileNotFoundError, match="no-such-bucket-x1"):
+    with storage.atomic_writer(
+        f"{bucket_store.scheme}://no-such-bucket-x1/run/a") as write:
+      write(b"x")
+
+
+def test_a_prefix_is_not_a_regular_file(root):
+  with storage.atomic_writer(f"{root}/d/x") as write:
+    write(b"x")
+  with pytest.raises(errors.NotRegularFileError, match="prefix"):
+    storage.check_regular_file(f"{root}/d")
+
+
+def test_missing_package_names_the_extra(tmp_path):
+  code = textwrap.dedent("""
+      import sys
+      sys.modules["gcsfs"] = None     # as if not installed
+      from clu_ckpt import storage
+      try:
+        storage.exists("gs://b/x")
+      except ImportError as e:
+        print(e)
+  """)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=60, check=True).stdout
+  assert "pip install clu_ckpt[gcs]" in out and "gs://" in out
+
+
+def test_refused_credentials_are_named(s3):
+  env = s3.child_env(AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="")
+  code = textwrap.dedent("""
+      import json, sys
+      from clu_ckpt import storage
+      try:
+        storage.listdir("s3://somebucket/run")
+      except Exception as e:
+        print(json.dumps([type(e).__name__, isinstance(e, PermissionError),
+                          str(e)]))
+  """)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=60, env=env)
+  name, is_permission, message = json.loads(out.stdout.strip().splitlines()[-1])
+  assert is_permission, (name, message)
+  assert "s3://somebucket/run" in message and "credentials" in message
+
+
+def test_reads_without_tensorflow(gcs):
+  url = gcs.upload(_tiny_tree(gcs), "t")
+  code = textwrap.dedent(f"""
+      import sys
+      sys.modules["tensorflow"] = None  # any import of it fails
+      from clu_ckpt import storage
+      print(storage.listdir("{url}"), storage.read_bytes("{url}/a"))
+  """)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=60, env=gcs.child_env())
+  assert out.returncode == 0, out.stderr
+  assert "['a'] b'hello'" in out.stdout
+
+
+def _tiny_tree(emulator):
+  root = emulator.root / "tiny"
+  root.mkdir(exist_ok=True)
+  (root / "a").write_bytes(b"hello")
+  return root
