@@ -45,6 +45,10 @@ ENV = {
 }
 
 
+# gcsfs reads this when imported; the test process imports it through here.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+
 def _free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
@@ -146,7 +150,8 @@ class FakeGcs(Emulator):
 
   def fs(self):
     import gcsfs  # pylint: disable=g-import-not-at-top
-    return gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True,
+    return gcsfs.GCSFileSystem(token="anon", endpoint_url=self.url,
+                               skip_instance_cache=True,
                                use_listings_cache=False)
 
 
