@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import tempfile
 import threading
 from typing import Any, Callable, Iterator
 
@@ -331,6 +332,50 @@ def create_exclusive(path: str, data: bytes) -> None:
     NotImplementedError: The back end cannot do it atomically (gfile).
   """
   filesystem(path).create_exclusive(path, data)
+
+
+# `local_prefix` copies remote files in ranges of this many bytes.
+_COPY_CHUNK = 16 * 2**20
+
+
+@contextlib.contextmanager
+def local_prefix(prefix: str) -> Iterator[str]:
+  """A local path under which a library that opens files itself finds them.
+
+  For TensorFlow, which reads a checkpoint `<prefix>.index` /
+  `<prefix>.data-*` through its own file systems (that know neither s3:// nor
+  an emulator's gs://): files in a bucket are streamed, in ranged reads, into
+  a temporary directory that is removed when the block ends. Local prefixes,
+  and those of back ends TensorFlow reads itself (`gfile_fs`), are yielded
+  as they are.
+
+  Example::
+
+    with storage.local_prefix("gs://b/run/ckpt-3") as prefix:
+      tf.train.Checkpoint(ds=it).read(prefix)
+
+  Args:
+    prefix: A checkpoint prefix (path or URL, without `.index`).
+
+  Yields:
+    A prefix TensorFlow can open: `prefix` itself, or `<tmp>/<basename>`.
+
+  Raises:
+    OSError: A file cannot be read (names it).
+  """
+  fs = filesystem(prefix)
+  if is_local(prefix) or _scheme(prefix) not in ("gs", "s3"):
+    yield prefix
+    return
+  base = prefix.rstrip("/").rsplit("/", 1)[-1]
+  with tempfile.TemporaryDirectory(prefix="clu_ckpt-tf-") as tmp:
+    for path in glob(f"{glob_escape(prefix)}.*"):
+      size, _ = fs.stat(path)
+      target = os.path.join(tmp, path.rsplit("/", 1)[-1])
+      with open(target, "wb") as f:
+        for start in range(0, size, _COPY_CHUNK):
+          f.write(fs.read_bytes(path, start, min(_COPY_CHUNK, size - start)))
+    yield os.path.join(tmp, base)
 
 
 def sync(path: str) -> None:

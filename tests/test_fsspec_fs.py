@@ -188,3 +188,20 @@ def _tiny_tree(emulator):
   root.mkdir(exist_ok=True)
   (root / "a").write_bytes(b"hello")
   return root
+
+
+def test_local_prefix_copies_a_checkpoints_files(root, tmp_path):
+  for name, data in (("ckpt-3.index", b"i" * 10),
+                     ("ckpt-3.data-00000-of-00001", b"d" * 70000),
+                     ("ckpt-30.index", b"other"), ("ckpt-3.flax", b"f")):
+    with storage.atomic_writer(f"{root}/{name}") as write:
+      write(data)
+  with storage.local_prefix(f"{root}/ckpt-3") as prefix:
+    local = os.path.dirname(prefix)
+    assert os.path.basename(prefix) == "ckpt-3"
+    assert sorted(os.listdir(local)) == [
+        "ckpt-3.data-00000-of-00001", "ckpt-3.flax", "ckpt-3.index"]
+    assert open(prefix + ".data-00000-of-00001", "rb").read() == b"d" * 70000
+  assert not os.path.exists(local)
+  with storage.local_prefix(str(tmp_path / "ckpt-1")) as prefix:
+    assert prefix == str(tmp_path / "ckpt-1")
