@@ -254,3 +254,29 @@ def test_killed_migrations_never_leave_a_bad_listed_step(tmp_path):
   assert _assert_listed_steps_restore_exactly(src, dst) == 4
   leftovers = [n for n in os.listdir(dst) if "tmp" in n or "discarded" in n]
   assert leftovers == []
+
+
+# --------------------------------------------------------------------------
+# The lease of object stores (exercised on the emulators in
+# test_migration_destination_buckets.py).
+# --------------------------------------------------------------------------
+
+
+def test_lease_length_comes_from_the_environment(monkeypatch):
+  monkeypatch.delenv(destination.LEASE_ENV, raising=False)
+  assert destination.lease_seconds() == destination.LEASE_SECONDS == 60
+  monkeypatch.setenv(destination.LEASE_ENV, "2.5")
+  assert destination.lease_seconds() == 2.5
+  for bad in ("0", "-1", "inf", "nan", "soon"):
+    monkeypatch.setenv(destination.LEASE_ENV, bad)
+    with pytest.raises(errors.MigrationError, match=destination.LEASE_ENV):
+      destination.lease_seconds()
+  # Stale after the lease plus the clock-skew margin.
+  assert destination.stale_after(60) == 91
+  assert destination.stale_after(2) == 4
+
+
+def test_local_roots_are_never_lost(tmp_path):
+  with destination.lock(str(tmp_path)):
+    destination.ensure_held(str(tmp_path))
+  destination.ensure_held(str(tmp_path))   # not held at all: nothing to lose
