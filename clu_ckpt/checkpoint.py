@@ -24,6 +24,16 @@ Loading a state dict, e.g. in a Colab, needs neither TensorFlow nor JAX::
   state_dict = checkpoint.load_state_dict(base_directory)
   params = checkpoint.load_state_dict(base_directory, subtree="params")
 
+Directories in buckets (`gs://`, `s3://`) work the same way, through
+`clu_ckpt.storage` (fsspec: gcsfs, s3fs; emulators through
+`STORAGE_EMULATOR_HOST`, `AWS_ENDPOINT_URL`). TensorFlow never opens a
+bucket: a restore hands it a temporary local copy of the checkpoint's
+`.index`/`.data-*` (`storage.local_prefix`), and a save has it serialize the
+`tf_state` into a local temporary directory, whose files are uploaded, then
+committed by uploading the `checkpoint` state file
+(`tf_manager.ObjectStoreManager`: the commit order for stores without
+rename). Reading the Flax state of a bucket needs no TensorFlow either.
+
 Differences from `clu.checkpoint` that callers can observe are deliberate and
 few: the `.flax` file is streamed to a temporary name, fsynced and renamed (CLU
 writes it in place), it is read through a memory map (arrays are read-only
@@ -175,6 +185,13 @@ class Checkpoint:
   checkpoint whole (see `clu_ckpt.save_protocol`). These are the files
   `clu.checkpoint` writes, byte for byte, and each library restores the other's.
 
+  In a bucket (`gs://`, `s3://`) every object appears whole (an upload
+  completes or nothing appears) and the order is: `.flax`, `.data-*`,
+  `.index`, the list of checkpoints to prune, `checkpoint` (the commit), then
+  the pruned checkpoints' files (see `tf_manager.ObjectStoreManager`): a
+  process killed at any point leaves the previous checkpoint restorable and
+  the next save completes what was left.
+
   The directory's content is not trusted (docs/CONTRACTS.md, "Threat
   model"): a save writes only `{base_directory}/{checkpoint_name}-{number}`
   and deletes only checkpoints directly inside `base_directory`; listed paths
@@ -228,7 +245,10 @@ class Checkpoint:
 
   @property
   def tf_checkpoint_manager(self):
-    """The `tf.train.CheckpointManager` writing the TF files (imports TF)."""
+    """The `tf.train.CheckpointManager` writing the TF files (imports TF).
+
+    In a bucket, a `tf_manager.ObjectStoreManager` (the same bookkeeping).
+    """
     self._load_tf()
     return self._tf_checkpoint_manager
 
@@ -367,7 +387,9 @@ class Checkpoint:
     The newer checkpoints are unlisted before their files are deleted, so a
     crash never leaves a listed checkpoint torn. A failed save leaves the
     earlier checkpoints as they were and removes its own partial files; the
-    next save reuses the same number.
+    next save reuses the same number. In a bucket, TensorFlow writes the
+    `tf_state` to a local temporary directory and clu_ckpt uploads and
+    commits it (see the class docstring).
 
     Example::
 
@@ -499,7 +521,9 @@ class Checkpoint:
         (for `MultihostCheckpoint`, the newest that every host has). As in
         clu and TensorFlow, a path is read wherever it points, also when it
         (or the latest in TensorFlow's `checkpoint` file) is an absolute path
-        outside `base_directory`; saves still write only inside it.
+        outside `base_directory`; saves still write only inside it. In a
+        bucket, `tf_state` is restored from a temporary local copy of the
+        TensorFlow files, completely before this returns (`_restore_tf`).
 
     Returns:
       The restored state. The TensorFlow objects in `tf_state` are restored
@@ -507,7 +531,8 @@ class Checkpoint:
 
     Raises:
       FileNotFoundError: `checkpoint` does not exist, or there is none.
-      ValueError: The saved state does not match `state`.
+      ValueError: The saved state does not match `state`, or (in a bucket)
+        `tf_state` holds an object the checkpoint does not.
       ImportError: `tf_state` needs TensorFlow and it is missing.
     """
     checkpoint = self._checkpoint_or_latest(checkpoint)
@@ -518,7 +543,7 @@ class Checkpoint:
       for path in storage.glob(f"{storage.glob_escape(checkpoint)}.*"):
         if not path.endswith(".flax"):
           storage.check_regular_file(path)
-      self._tf_checkpoint.restore(checkpoint)
+      self._restore_tf(checkpoint)
     else:
       # Nothing but the save counter to restore: no need to load TensorFlow.
       parts = layout.split_checkpoint(checkpoint)
@@ -527,6 +552,32 @@ class Checkpoint:
                  self._current_number(), checkpoint)
     self.restored_from = checkpoint
     return state
+
+
+  def _restore_tf(self, checkpoint: str) -> None:
+    """Restores `tf_state` from the TensorFlow files of `checkpoint`.
+
+    Files in a bucket are read from a temporary local copy
+    (`storage.local_prefix`), removed when this returns. TensorFlow restores
+    objects that exist when `restore` is called at once (eagerly), and
+    `tf_state`'s objects all exist: the status is asserted before the copy
+    goes, so every one of them is restored, or this raises. Objects created
+    later, which TensorFlow would restore from the files when they appear
+    (deferred restoration), are not restored from a bucket checkpoint.
+
+    Raises:
+      InvalidCheckpointError: An object of `tf_state` has no counterpart in
+        a bucket checkpoint (names the checkpoint).
+    """
+    with storage.local_prefix(checkpoint) as prefix:
+      status = self._tf_checkpoint.restore(prefix)
+      if prefix != checkpoint:
+        try:
+          status.assert_existing_objects_matched()
+        except AssertionError as e:
+          raise errors.InvalidCheckpointError(
+              f"{checkpoint}: the tf_state does not match the checkpoint's "
+              f"TensorFlow objects: {e}") from e
 
 
 class MultihostCheckpoint(Checkpoint):

@@ -151,8 +151,8 @@ def save_file(state: Any, path: str) -> int:
   through one reused 16 MiB staging buffer (see `storage.atomic_writer`), so
   memory stays flat whatever the state's size. Local files are written under a temporary name in the same
   directory, flushed to disk with fsync and renamed, so `path` either holds the
-  previous content or the complete new one; remote paths (`gs://...`) go
-  through `tf.io.gfile`, whose objects appear only when complete.
+  previous content or the complete new one; objects in buckets (`gs://`,
+  `s3://`) are streamed into an upload and appear only when complete.
 
   Example::
 

@@ -17,6 +17,11 @@ checkpoint whole:
 - after: `sweep_debris` removes the `.flax` of pruned checkpoints and what
   killed saves left (`_temp/` directories, temporary state files).
 
+In a bucket (`gs://`, `s3://`) the manager is a
+`tf_manager.ObjectStoreManager`: the same bookkeeping, with TensorFlow only
+serializing the `tf_state` locally and the files uploaded whole, in the
+commit order it documents; this protocol runs on it unchanged.
+
 The private CheckpointManager API is touched only through `clu_ckpt.tf_manager`;
 the directory rules come from `clu_ckpt.layout`, file operations from
 `clu_ckpt.storage`.

@@ -17,6 +17,10 @@ Synopsis::
   state.model_checkpoint_path   # "/ckpts/ckpt-3"
   state.managed_checkpoints()   # what a fresh CheckpointManager would list
   state_file.read_checkpoint_state("/ckpts", strict=True)  # or raises
+  text = state_file.format_checkpoint_state(    # what TensorFlow writes
+      "gs://b/ckpts", "gs://b/ckpts/ckpt-3",
+      ["gs://b/ckpts/ckpt-2", "gs://b/ckpts/ckpt-3"], [1.7e9, 1.7e9 + 5],
+      last_preserved_timestamp=1.7e9 - 1)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import codecs
 import contextlib
 import dataclasses
 import math
+import os
 import re
 import sys
 import time
@@ -158,6 +163,85 @@ def read_checkpoint_state(directory: str, *,
       all_model_checkpoint_timestamps=fields["all_model_checkpoint_timestamps"],
       last_preserved_timestamp=stamps[-1] if stamps else 0.0,
   )
+
+
+def format_checkpoint_state(directory: str, model_checkpoint_path: str,
+                            all_model_checkpoint_paths: list[str],
+                            all_model_checkpoint_timestamps: list[float],
+                            last_preserved_timestamp: float) -> str:
+  r"""The text of the `checkpoint` file TensorFlow's CheckpointManager writes.
+
+  Byte for byte what `tf.train.CheckpointManager` writes for `directory`
+  (its `_record_state`: `update_checkpoint_state_internal` with
+  `save_relative_paths=True`, then `text_format.MessageToString`): paths that
+  are not absolute (local relative paths, and URLs such as `gs://b/run/x`)
+  are made relative to `directory` with `os.path.relpath`, the latest path is
+  appended to the list unless it ends it, strings are C-escaped as current
+  protobuf does (`\n`, `\"`, octal for ASCII control bytes), doubles are
+  printed as Python's `str` does, and a `last_preserved_timestamp` of 0 is
+  left out (proto3). For object stores, where clu_ckpt writes the file
+  itself (`tf_manager.ObjectStoreManager`).
+
+  Example::
+
+    format_checkpoint_state("gs://b/run", "gs://b/run/ckpt-2",
+                            ["gs://b/run/ckpt-1", "gs://b/run/ckpt-2"],
+                            [1795254086.27, 1795254086.28], 1795254085.0)
+    # 'model_checkpoint_path: "ckpt-2"\nall_model_checkpoint_paths: "ckpt-1"'...
+
+  Args:
+    directory: The checkpoint directory (path or URL).
+    model_checkpoint_path: The latest checkpoint.
+    all_model_checkpoint_paths: The managed checkpoints, oldest first.
+    all_model_checkpoint_timestamps: Their timestamps (same length, or empty).
+    last_preserved_timestamp: The manager's last preserved timestamp.
+
+  Returns:
+    The file's text.
+
+  Raises:
+    ValueError: The timestamps do not match the paths (as TensorFlow).
+  """
+  paths = list(all_model_checkpoint_paths)
+  if not paths or paths[-1] != model_checkpoint_path:
+    paths.append(model_checkpoint_path)
+  if (all_model_checkpoint_timestamps and
+      len(all_model_checkpoint_timestamps) != len(paths)):
+    raise ValueError(
+        f"Checkpoint timestamps, if provided, must match checkpoint paths (got "
+        f"paths {paths} and timestamps {all_model_checkpoint_timestamps})")
+  isabs = os.path.isabs
+
+  def relative(p: str) -> str:
+    # TensorFlow's two steps: absolute paths relative to the directory, then
+    # (for a directory that is not absolute, e.g. a URL) every path that is
+    # not absolute by then.
+    if isabs(p):
+      p = os.path.relpath(p, directory)
+    if not isabs(directory) and not isabs(p):
+      p = os.path.relpath(p, directory)
+    return p
+
+  lines = [f"model_checkpoint_path: {_quote(relative(model_checkpoint_path))}"]
+  lines += [f"all_model_checkpoint_paths: {_quote(relative(p))}"
+            for p in paths]
+  lines += [f"all_model_checkpoint_timestamps: {float(t)}"
+            for t in all_model_checkpoint_timestamps]
+  if last_preserved_timestamp:
+    lines.append(f"last_preserved_timestamp: {float(last_preserved_timestamp)}")
+  return "".join(line + "\n" for line in lines)
+
+
+# protobuf's `text_encoding.CEscape(value, as_utf8=True)`, what the
+# `MessageToString` of current protobuf releases does (older ones also
+# escaped non-ASCII bytes in octal, which every reader parses the same).
+_C_ESCAPES = {**{i: f"\\{i:03o}" for i in range(128) if not 32 <= i < 127},
+              ord("\n"): r"\n", ord("\r"): r"\r", ord("\t"): r"\t",
+              ord('"'): r'\"', ord("'"): r"\'", ord("\\"): r"\\"}
+
+
+def _quote(value: str) -> str:
+  return '"' + value.translate(_C_ESCAPES) + '"'
 
 
 def _read_state_file(path: str) -> Optional[bytes]:

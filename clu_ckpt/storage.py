@@ -370,6 +370,9 @@ def local_prefix(prefix: str) -> Iterator[str]:
   base = prefix.rstrip("/").rsplit("/", 1)[-1]
   with tempfile.TemporaryDirectory(prefix="clu_ckpt-tf-") as tmp:
     for path in glob(f"{glob_escape(prefix)}.*"):
+      suffix = path[len(prefix) + 1:]
+      if suffix != "index" and not suffix.startswith("data-"):
+        continue  # the `.flax` (or anything else) is not TensorFlow's
       size, _ = fs.stat(path)
       target = os.path.join(tmp, path.rsplit("/", 1)[-1])
       with open(target, "wb") as f:

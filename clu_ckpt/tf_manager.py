@@ -12,6 +12,13 @@ TensorFlow release drops an attribute, `PrivateApiError` says which, and
 `tests/test_tf_manager.py` pins the versions it was checked against.
 TensorFlow is imported only when a manager is made.
 
+On object stores (`gs://`, `s3://`), where TensorFlow can reach neither an
+emulator nor S3 and nothing can be renamed, `new_manager` returns an
+`ObjectStoreManager` instead: the same bookkeeping, attribute for attribute,
+with TensorFlow serializing the `tf_state` only (`tf.train.Checkpoint.write`
+into a local temporary directory) and every file reaching the bucket whole
+through `storage.atomic_writer`, in the commit order of `ObjectStoreManager`.
+
 Synopsis::
 
   from clu_ckpt import tf_manager
@@ -28,14 +35,19 @@ Synopsis::
 
 from __future__ import annotations
 
+import collections
 import errno
+import json
 import os
+import tempfile
+import time
 from typing import Any, Optional, Sequence
 
 from absl import logging
 
 from clu_ckpt import errors
 from clu_ckpt import layout
+from clu_ckpt import state_file
 from clu_ckpt import storage
 
 # TensorFlow versions whose private CheckpointManager attributes were checked
@@ -72,6 +84,179 @@ def check_private_api(manager: Any) -> None:
         "or a clu_ckpt release that supports this TensorFlow.")
 
 
+def uses_object_store(directory: str) -> bool:
+  """Whether `directory` is in a bucket TensorFlow is not given (gs, s3).
+
+  Such directories get an `ObjectStoreManager`, and restores read their
+  TensorFlow files through `storage.local_prefix`.
+  """
+  scheme, _ = layout.split_scheme(directory)
+  return scheme.lower() in ("gs://", "s3://")
+
+
+# `ObjectStoreManager` uploads TensorFlow's files in pieces of this size.
+_UPLOAD_CHUNK = 16 * 2**20
+# Names the checkpoints an `ObjectStoreManager` save prunes, while it does.
+PRUNING_FILENAME = "clu_ckpt-pruning.json"
+
+
+class ObjectStoreManager:
+  """`tf.train.CheckpointManager`'s bookkeeping for a bucket, without its I/O.
+
+  It reads and writes the directory's `checkpoint` state file itself
+  (`state_file`), with TensorFlow's own rules: the same managed list (paths
+  newer than `last_preserved_timestamp`), the same timestamps, the same
+  pruning beyond `max_to_keep`, the same file, byte for byte. It has the
+  attributes `unlist` uses (`_maybe_delete`, `_latest_checkpoint`,
+  `_last_preserved_timestamp`, `_record_state`), so the save protocol runs
+  unchanged. TensorFlow only serializes the `tf_state` into a local
+  temporary directory.
+
+  `save()` commits in this order, each object appearing whole (an upload
+  that completes, or no object): `.data-*`, then `.index` (the `.flax` is
+  already there); when checkpoints are to be pruned, `PRUNING_FILENAME`
+  naming them; then the `checkpoint` state file, which is the commit; then
+  the pruned checkpoints' `.index` and `.data-*` are deleted, now that the
+  state file no longer lists them, and `PRUNING_FILENAME` last (their `.flax`
+  goes in `save_protocol.sweep_debris`). A kill before the state file leaves
+  the previous checkpoint the latest and unlisted files of the new number,
+  which the next save deletes (`save_protocol.delete_future_checkpoints`);
+  a kill after it leaves `PRUNING_FILENAME`, and the next save first deletes
+  the files of the checkpoints it names that the state file does not list.
+  `keep_checkpoint_every_n_hours` is not supported (clu never sets it).
+
+  Example::
+
+    manager = ObjectStoreManager(tf.train.Checkpoint(ds=it), "gs://b/run",
+                                 max_to_keep=3, checkpoint_name="ckpt")
+    manager.save()          # "gs://b/run/ckpt-1"
+    manager.checkpoints     # ["gs://b/run/ckpt-1"]
+  """
+
+  def __init__(self, tf_checkpoint: Any, directory: str, *,
+               max_to_keep: Optional[int], checkpoint_name: str):
+    if max_to_keep is not None and max_to_keep <= 0:
+      raise ValueError("Expected a positive integer or `None` for "
+                       f"`max_to_keep`, got {max_to_keep}.")
+    self._checkpoint = tf_checkpoint
+    self._directory = directory
+    self._max_to_keep = max_to_keep
+    self._prefix = f"{directory.rstrip('/')}/{checkpoint_name}"
+    state = state_file.read_checkpoint_state(directory)
+    now = time.time()
+    self._maybe_delete: collections.OrderedDict[str, float] = (
+        collections.OrderedDict())
+    if state is None:
+      self._latest_checkpoint = None
+      self._last_preserved_timestamp = now - 1.
+      return
+    self._latest_checkpoint = state.model_checkpoint_path
+    self._last_preserved_timestamp = state.last_preserved_timestamp
+    if now < self._last_preserved_timestamp:
+      logging.warning("time.time() returned a value %f seconds behind the "
+                      "last preserved checkpoint timestamp.",
+                      self._last_preserved_timestamp - now)
+      self._last_preserved_timestamp = now
+    stamps = state.all_model_checkpoint_timestamps or (
+        [self._last_preserved_timestamp] * len(state.all_model_checkpoint_paths))
+    for path, stamp in zip(state.all_model_checkpoint_paths, stamps):
+      stamp = min(stamp, now)
+      if stamp > self._last_preserved_timestamp:
+        self._maybe_delete[path] = stamp
+
+  @property
+  def directory(self) -> str:
+    return self._directory
+
+  @property
+  def checkpoints(self) -> list[str]:
+    """The managed checkpoints, oldest first."""
+    return list(self._maybe_delete)
+
+  @property
+  def latest_checkpoint(self) -> Optional[str]:
+    return self._latest_checkpoint
+
+  def _record_state(self) -> None:
+    """Writes the `checkpoint` state file (one upload: the commit)."""
+    text = state_file.format_checkpoint_state(
+        self._directory, self._latest_checkpoint, list(self._maybe_delete),
+        list(self._maybe_delete.values()), self._last_preserved_timestamp)
+    path = storage.join(self._directory, layout.STATE_FILENAME)
+    with storage.atomic_writer(path) as write:
+      write(text.encode("utf-8"))
+
+  def save(self) -> str:
+    """Writes the next checkpoint's TensorFlow files and commits it.
+
+    The save counter is incremented first, as TensorFlow's manager does (the
+    caller undoes it if this raises before the commit).
+
+    Returns:
+      The new checkpoint (`<directory>/<checkpoint_name>-<save_counter>`).
+
+    Raises:
+      OSError: An upload or the state file failed (names the object).
+    """
+    self._finish_pruning()
+    counter = self._checkpoint.save_counter
+    counter.assign_add(1)
+    checkpoint = f"{self._prefix}-{int(counter.numpy())}"
+    name = checkpoint.rsplit("/", 1)[-1]
+    with tempfile.TemporaryDirectory(prefix="clu_ckpt-tf-") as tmp:
+      self._checkpoint.write(os.path.join(tmp, name))
+      files = sorted(os.listdir(tmp), key=lambda f: (f.endswith(".index"), f))
+      for file in files:  # `.data-*` first, `.index` last
+        if file.startswith(f"{name}."):
+          _upload(os.path.join(tmp, file), f"{checkpoint}{file[len(name):]}")
+    self._maybe_delete.pop(checkpoint, None)
+    self._maybe_delete[checkpoint] = time.time()
+    self._latest_checkpoint = checkpoint
+    pruned = []
+    while self._max_to_keep and len(self._maybe_delete) > self._max_to_keep:
+      pruned.append(self._maybe_delete.popitem(last=False)[0])
+    pruning = storage.join(self._directory, PRUNING_FILENAME)
+    if pruned:
+      with storage.atomic_writer(pruning) as write:
+        write(json.dumps(pruned).encode("utf-8"))
+    self._record_state()  # the commit
+    if pruned:
+      self._delete_unlisted(pruned)
+      storage.remove(pruning)
+    return checkpoint
+
+  def _delete_unlisted(self, checkpoints: Sequence[str]) -> None:
+    """Deletes TensorFlow's files of those `checkpoints` no longer listed."""
+    listed = set(self._maybe_delete) | {self._latest_checkpoint}
+    for path in checkpoints:
+      if path in listed or not layout.is_contained(self._directory, path):
+        continue
+      pattern = storage.glob_escape(path)
+      for found in (storage.glob(f"{pattern}.index") +
+                    storage.glob(f"{pattern}.data-?????-of-?????")):
+        storage.remove(found)
+
+  def _finish_pruning(self) -> None:
+    """Completes the pruning of a save killed after its commit, if any."""
+    pruning = storage.join(self._directory, PRUNING_FILENAME)
+    try:
+      names = json.loads(storage.read_bytes(pruning))
+    except FileNotFoundError:
+      return
+    except ValueError:  # torn by hand: only this save's pruning is lost
+      names = []
+    if isinstance(names, list):
+      self._delete_unlisted([n for n in names if isinstance(n, str)])
+    storage.remove(pruning)
+
+
+def _upload(local: str, url: str) -> None:
+  """Copies a local file to `url` in pieces; the object appears whole."""
+  with open(local, "rb") as f, storage.atomic_writer(url) as write:
+    while chunk := f.read(_UPLOAD_CHUNK):
+      write(chunk)
+
+
 def new_manager(tf_checkpoint: Any, directory: str, *, max_to_keep: int,
                 checkpoint_name: str) -> Any:
   """A `tf.train.CheckpointManager` for `directory`, contained.
@@ -93,27 +278,32 @@ def new_manager(tf_checkpoint: Any, directory: str, *, max_to_keep: int,
     checkpoint_name: As for `tf.train.CheckpointManager`.
 
   Returns:
-    The manager.
+    The manager (an `ObjectStoreManager` for `gs://` and `s3://`).
 
   Raises:
     errors.NotRegularFileError: `checkpoint` is a pipe, device, ...
     errors.PrivateApiError: This TensorFlow lacks what is used here.
   """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  state_file = storage.join(directory, layout.STATE_FILENAME)
-  try:
-    storage.check_regular_file(state_file)
-  except FileNotFoundError:
-    pass  # no checkpoint yet
-  manager = tf.train.CheckpointManager(
-      tf_checkpoint, directory, max_to_keep=max_to_keep,
-      checkpoint_name=checkpoint_name)
-  check_private_api(manager)
+  state_path = storage.join(directory, layout.STATE_FILENAME)
+  if uses_object_store(directory):
+    manager = ObjectStoreManager(tf_checkpoint, directory,
+                                 max_to_keep=max_to_keep,
+                                 checkpoint_name=checkpoint_name)
+  else:
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    try:
+      storage.check_regular_file(state_path)
+    except FileNotFoundError:
+      pass  # no checkpoint yet
+    manager = tf.train.CheckpointManager(
+        tf_checkpoint, directory, max_to_keep=max_to_keep,
+        checkpoint_name=checkpoint_name)
+    check_private_api(manager)
   managed = manager._maybe_delete  # pylint: disable=protected-access
   for path in list(managed):
     if not layout.is_contained(directory, path):
       logging.warning("%s lists %s, which is outside %s: it is left alone "
-                      "(never pruned or deleted)", state_file, path, directory)
+                      "(never pruned or deleted)", state_path, path, directory)
       del managed[path]
   return manager
 
@@ -147,17 +337,17 @@ def unlist(manager: Any, directory: str, checkpoints: Sequence[str],
     # file's last_preserved_timestamp, e.g. written under a clock ahead of
     # this one): it stays listed and unmanaged, as a fresh manager sees it.
     managed[current] = manager._last_preserved_timestamp
-  state_file = storage.join(directory, layout.STATE_FILENAME)
+  state_path = storage.join(directory, layout.STATE_FILENAME)
   if not managed:
     # Saving without restoring starts over at number 1: nothing to list.
     manager._latest_checkpoint = None
-    storage.remove(state_file)
+    storage.remove(state_path)
     return
   if latest in checkpoints:
     manager._latest_checkpoint = next(reversed(managed))
   manager._record_state()
   # pylint: enable=protected-access
-  storage.sync(state_file)
+  storage.sync(state_path)
 
 
 def is_io_error(error: Exception) -> bool:

@@ -200,7 +200,7 @@ def test_local_prefix_copies_a_checkpoints_files(root, tmp_path):
     local = os.path.dirname(prefix)
     assert os.path.basename(prefix) == "ckpt-3"
     assert sorted(os.listdir(local)) == [
-        "ckpt-3.data-00000-of-00001", "ckpt-3.flax", "ckpt-3.index"]
+        "ckpt-3.data-00000-of-00001", "ckpt-3.index"]
     assert open(prefix + ".data-00000-of-00001", "rb").read() == b"d" * 70000
   assert not os.path.exists(local)
   with storage.local_prefix(str(tmp_path / "ckpt-1")) as prefix:

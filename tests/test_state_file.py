@@ -574,3 +574,54 @@ def test_big_state_file_parses_in_linear_time(tmp_path, case, run_child):
   else:
     assert out["paths"] == count + ("[" in prefix)
     assert out["lengths"] == [len(value)] and out["sample"] == value
+
+
+# ---------------------------------------------------------------------------
+# format_checkpoint_state: the file TensorFlow writes, without TensorFlow.
+# ---------------------------------------------------------------------------
+
+
+def _tf_state_text(directory, latest, paths, stamps, last_preserved):
+  """What `CheckpointManager._record_state` writes, without writing it."""
+  from google.protobuf import text_format  # pylint: disable=g-import-not-at-top
+  # update_checkpoint_state_internal(save_relative_paths=True), step one.
+  rel = lambda p: os.path.relpath(p, directory) if os.path.isabs(p) else p
+  proto = checkpoint_management.generate_checkpoint_state_proto(
+      directory, rel(latest), all_model_checkpoint_paths=[rel(p) for p in paths],
+      all_model_checkpoint_timestamps=stamps or None,
+      last_preserved_timestamp=last_preserved)
+  return text_format.MessageToString(proto)
+
+
+@pytest.mark.parametrize("directory", [
+    "gs://b/run", "s3://b/r/sub", "/tmp/abs/run", "rel/run"])
+def test_format_checkpoint_state_is_tensorflows(directory):
+  rng = random.Random(directory)
+  names = WEIRD_NAMES + ["ckpt-1", "ckpt-2"]
+  for trial in range(40):
+    paths = [f"{directory}/{rng.choice(names)}-{i}"
+             for i in range(rng.randrange(0, 4))]
+    if trial % 5 == 0:
+      paths.append("/elsewhere/ckpt-9")
+    latest = paths[-1] if paths and trial % 3 else f"{directory}/ckpt-77"
+    count = len(paths) + (not paths or paths[-1] != latest)
+    stamps = [rng.choice([rng.uniform(1e9, 2e9), 1.0, 1e16, 0.5])
+              for _ in range(count)] if trial % 4 else []
+    last = rng.choice([0.0, 1795254085.0282855, 1e16, float("inf")])
+    assert state_file.format_checkpoint_state(
+        directory, latest, paths, stamps, last) == _tf_state_text(
+            directory, latest, list(paths), stamps, last)
+
+
+def test_format_checkpoint_state_reads_back(tmp_path):
+  text = state_file.format_checkpoint_state(
+      str(tmp_path), f"{tmp_path}/ckpt-2", [f"{tmp_path}/ckpt-1"],
+      [1795254086.25, 1795254087.5], 1795254085.0)
+  (tmp_path / "checkpoint").write_text(text)
+  state = state_file.read_checkpoint_state(str(tmp_path))
+  assert state == state_file.CheckpointState(
+      f"{tmp_path}/ckpt-2", [f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2"],
+      [1795254086.25, 1795254087.5], 1795254085.0)
+  assert text.startswith('model_checkpoint_path: "ckpt-2"\n')
+  with pytest.raises(ValueError, match="must match"):
+    state_file.format_checkpoint_state("/d", "/d/c-1", ["/d/c-1"], [1., 2.], 0.)

@@ -1,5 +1,6 @@
 """Tests for `clu_ckpt.tf_manager`: the one user of TensorFlow's private API."""
 
+import os
 import pathlib
 import re
 
@@ -84,3 +85,87 @@ def test_tensorflow_io_errors_become_os_errors():
   assert isinstance(converted, OSError) and converted.errno == 28
   assert converted.filename == "/c/ckpt-3"
   assert not tf_manager.is_io_error(ValueError("bad iterator"))
+
+
+# ---------------------------------------------------------------------------
+# ObjectStoreManager: TensorFlow's bookkeeping, clu_ckpt's I/O.
+# ---------------------------------------------------------------------------
+
+
+def test_uses_object_store():
+  assert tf_manager.uses_object_store("gs://b/run")
+  assert tf_manager.uses_object_store("S3://b/run")
+  assert not tf_manager.uses_object_store("/local/run")
+  assert not tf_manager.uses_object_store("file:///local/run")
+  assert not tf_manager.uses_object_store("hdfs://n/run")
+
+
+def _normalized(text: str) -> str:
+  return re.sub(r"(timestamps?: )[0-9.e+-]+", r"\1T", text)
+
+
+def test_object_store_manager_keeps_tensorflows_books(tmp_path):
+  """Same saves, same files and state file as TensorFlow's manager.
+
+  (ObjectStoreManager writes through `clu_ckpt.storage`, so a local
+  directory serves as the store here; tests/test_checkpoint_buckets.py runs
+  it on the emulators.)
+  """
+  ours_dir, tf_dir = tmp_path / "ours", tmp_path / "tf"
+  ours_dir.mkdir()
+  v1, v2 = tf.Variable(0), tf.Variable(0)
+  ours = tf_manager.ObjectStoreManager(
+      tf.train.Checkpoint(v=v1), str(ours_dir), max_to_keep=2,
+      checkpoint_name="ckpt")
+  theirs = tf.train.CheckpointManager(tf.train.Checkpoint(v=v2), str(tf_dir),
+                                      max_to_keep=2, checkpoint_name="ckpt")
+  for step in range(1, 5):
+    v1.assign(step)
+    v2.assign(step)
+    assert ours.save() == f"{ours_dir}/ckpt-{step}"
+    assert theirs.save() == f"{tf_dir}/ckpt-{step}"
+    assert sorted(os.listdir(ours_dir)) == sorted(os.listdir(tf_dir))
+    assert _normalized((ours_dir / "checkpoint").read_text()) == _normalized(
+        (tf_dir / "checkpoint").read_text())
+    assert [p.replace(str(ours_dir), "") for p in ours.checkpoints] == [
+        p.replace(str(tf_dir), "") for p in theirs.checkpoints]
+  # A fresh TensorFlow manager reads our books as its own.
+  again = tf.train.CheckpointManager(tf.train.Checkpoint(v=tf.Variable(0)),
+                                     str(ours_dir), max_to_keep=2)
+  assert again.checkpoints == ours.checkpoints
+  assert again._maybe_delete == ours._maybe_delete  # pylint: disable=protected-access
+  restored = tf.Variable(0)
+  ckpt = tf.train.Checkpoint(v=restored)
+  ckpt.restore(again.latest_checkpoint).assert_consumed()
+  assert int(restored.numpy()) == 4 and int(ckpt.save_counter.numpy()) == 4
+  # And ours reads TensorFlow's.
+  reread = tf_manager.ObjectStoreManager(
+      tf.train.Checkpoint(v=tf.Variable(0)), str(tf_dir), max_to_keep=2,
+      checkpoint_name="ckpt")
+  assert reread._maybe_delete == theirs._maybe_delete  # pylint: disable=protected-access
+  assert (reread._last_preserved_timestamp ==  # pylint: disable=protected-access
+          theirs._last_preserved_timestamp)  # pylint: disable=protected-access
+
+
+def test_object_store_manager_finishes_a_killed_pruning(tmp_path):
+  v = tf.Variable(0)
+  manager = tf_manager.ObjectStoreManager(
+      tf.train.Checkpoint(v=v), str(tmp_path), max_to_keep=1,
+      checkpoint_name="ckpt")
+  manager.save()
+  manager.save()
+  assert not (tmp_path / "ckpt-1.index").exists()
+  assert not (tmp_path / tf_manager.PRUNING_FILENAME).exists()
+  # Killed after the commit of ckpt-2, before ckpt-1's files were deleted:
+  # the pruning file names ckpt-1 (unlisted: goes) and, say, ckpt-2 (listed:
+  # stays).
+  (tmp_path / "ckpt-1.index").write_bytes(b"x")
+  (tmp_path / "ckpt-1.data-00000-of-00001").write_bytes(b"x")
+  (tmp_path / tf_manager.PRUNING_FILENAME).write_text(
+      f'["{tmp_path}/ckpt-1", "{tmp_path}/ckpt-2"]')
+  fresh = tf_manager.ObjectStoreManager(
+      tf.train.Checkpoint(v=tf.Variable(0)), str(tmp_path), max_to_keep=1,
+      checkpoint_name="ckpt")
+  fresh._finish_pruning()  # pylint: disable=protected-access
+  assert sorted(os.listdir(tmp_path)) == [
+      "checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
