@@ -31,6 +31,9 @@ ENV = {
     "NO_GCE_CHECK": "true",
     "GCE_METADATA_HOST": "127.0.0.1:1",
     "GCE_METADATA_IP": "127.0.0.1:1",
+    # TensorStore's name for the metadata server (else it resolves
+    # metadata.google.internal through DNS).
+    "GCE_METADATA_ROOT": "127.0.0.1:1",
     "AWS_EC2_METADATA_DISABLED": "true",
     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
     "EPATH_USE_TF": "false",
