@@ -148,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-_NOISY_LOGGERS = ("absl", "asyncio", "jax", "orbax", "tensorflow")
+_NOISY_LOGGERS = ("absl", "asyncio", "jax", "orbax", "tensorflow",
+                  "google.auth")
 
 
 @contextlib.contextmanager
@@ -342,9 +343,9 @@ def _add_migrate(subparsers: Any) -> None:
                  "bit-exactly with the source")
   p.add_argument("--json", action="store_true",
                  help="print a machine-readable summary on stdout")
-  p.add_argument("--max-inflight-mib", type=int, default=128, metavar="MIB",
+  p.add_argument("--max-inflight-mib", type=int, default=None, metavar="MIB",
                  help="array data handed to TensorStore at once (bounds "
-                 "memory; default 128)")
+                 "memory; default 128, 16 for a gs:// destination)")
   p.add_argument("--step-prefix", metavar="PREFIX",
                  help="name steps <PREFIX>_<step>, as CheckpointManagerOptions"
                  "(step_prefix=PREFIX) does")
@@ -435,7 +436,8 @@ def _run_migrate(args: argparse.Namespace) -> int:
         compression=args.compression,
         dry_run=args.dry_run,
         verify=args.verify,
-        inflight_bytes=max(1, args.max_inflight_mib) * _MIB,
+        inflight_bytes=(None if args.max_inflight_mib is None else
+                        max(1, args.max_inflight_mib) * _MIB),
         step_prefix=args.step_prefix,
         step_format_fixed_length=args.step_format_fixed_length,
         allow_other_sources=args.allow_other_sources,

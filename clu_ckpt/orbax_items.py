@@ -46,6 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from clu_ckpt import errors
+from clu_ckpt import tf_bundle
 
 PROCESS_KEY_PREFIX = "process_"
 # File suffixes TensorFlow gives a checkpoint's files after `<prefix>.`.
@@ -80,12 +81,18 @@ def process_indices(tree: Mapping[str, Any]) -> list[int]:
 def read_tf_files(prefix: str) -> TfFiles:
   """Reads the files of the TensorFlow checkpoint `prefix` as uint8 arrays.
 
+  The arrays are views of `storage.map_file` maps: memory maps of local
+  files, and of bucket objects spooled by ranged reads into unlinked
+  temporary files, so a large data file is never held in process memory.
+
   Args:
     prefix: A checkpoint prefix, e.g. `/ckpts/ckpt-3` for `/ckpts/ckpt-3.index`
-      and `/ckpts/ckpt-3.data-00000-of-00001`.
+      and `/ckpts/ckpt-3.data-00000-of-00001` (a path or a `gs://`/`s3://`
+      URL).
 
   Returns:
-    File name suffix ("index", "data-00000-of-00001", ...) -> file content.
+    File name suffix ("index", "data-00000-of-00001", ...) -> file content
+    (read-only).
 
   Raises:
     FileNotFoundError: The `.index` file or a data shard is missing.
@@ -95,7 +102,7 @@ def read_tf_files(prefix: str) -> TfFiles:
   for path in storage.glob(storage.glob_escape(prefix) + ".*"):
     suffix = path[len(prefix) + 1:]
     if _SUFFIX_RE.match(suffix):
-      files[suffix] = np.frombuffer(storage.read_bytes(path), np.uint8)
+      files[suffix] = np.frombuffer(storage.map_file(path), np.uint8)
   _check_complete(files, prefix)
   return files
 
@@ -131,29 +138,65 @@ def tf_state_names(prefix: str, *, check: bool = False) -> list[str]:
   CLU writes a TensorFlow checkpoint even without `tf_state`; it then holds
   only the save counter and this returns an empty list.
 
+  The names come from the `.index` table, read with ranged reads and
+  without TensorFlow (`index_entries`). `check` then verifies, still without
+  TensorFlow, that every value lies inside its data shard and that the
+  fixed-size ones (the save counter...) match the crc32c TensorFlow
+  recorded (`tf_bundle.check_data`); the iterator state itself (a variant) is
+  checked by TensorFlow, when it is installed: only for checkpoints that
+  hold `tf_state`, on a local copy of the files when they are in a bucket
+  (TensorFlow's own file systems know neither s3:// nor an emulator's
+  gs://). Without TensorFlow that last check is skipped: the bytes are
+  copied as they are, and TensorFlow checks them when the iterator is
+  restored. An index with compressed blocks is read by TensorFlow only.
+
   Args:
-    prefix: A checkpoint prefix.
-    check: Also read every stored value, which verifies the checksums of the
-      data files.
+    prefix: A checkpoint prefix (path or `gs://`/`s3://` URL).
+    check: Also verify the stored values as described.
 
   Returns:
     Sorted top-level object names other than `save_counter`.
 
   Raises:
-    ValueError: TensorFlow cannot read the checkpoint (corrupt or truncated).
+    ValueError: The checkpoint cannot be read (corrupt or truncated).
+    ImportError: A compressed index, and no TensorFlow.
   """
-  tf = _tensorflow()
   try:
-    reader = tf.train.load_checkpoint(prefix)
-    variables = sorted(reader.get_variable_to_shape_map())
-  except (tf.errors.OpError, ValueError) as e:
-    raise errors.InvalidCheckpointError(f"{prefix}.index: unreadable TensorFlow checkpoint: "
-                     f"{_first_line(e)}") from None
+    shards, entries = tf_bundle.index_entries(prefix)
+  except tf_bundle.NeedsTensorFlow:
+    return _state_names(_tf_variable_names(prefix, check))
+  names = _state_names(entries)
   if check:
-    for name in variables:
-      _read_variable(tf, reader, name, prefix)
+    tf_bundle.check_data(prefix, shards, entries)
+    if names:
+      try:
+        _tf_variable_names(prefix, check=True)
+      except ImportError:
+        pass  # TensorFlow checks the values when it restores them.
+  return names
+
+
+def _tf_variable_names(prefix: str, check: bool) -> list[str]:
+  """The variable names TensorFlow reads (from a local copy of a bucket's)."""
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  tf = _tensorflow()
+  with storage.local_prefix(prefix) as local:
+    try:
+      reader = tf.train.load_checkpoint(local)
+      variables = sorted(reader.get_variable_to_shape_map())
+    except (tf.errors.OpError, ValueError) as e:
+      raise errors.InvalidCheckpointError(
+          f"{prefix}.index: unreadable TensorFlow checkpoint: "
+          f"{_first_line(e).replace(local, prefix)}") from None
+    if check:
+      for name in variables:
+        _read_variable(tf, reader, name, prefix)
+  return variables
+
+
+def _state_names(variables: Any) -> list[str]:
   names = {v.split("/", 1)[0] for v in variables
-           if v not in _BOOKKEEPING_VARIABLES}
+           if v and v not in _BOOKKEEPING_VARIABLES}
   names.discard(_SAVE_COUNTER)
   return sorted(names)
 

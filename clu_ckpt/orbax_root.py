@@ -40,7 +40,10 @@ def _iso(t: float) -> str:
 
 _ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
-_COMMIT_SUCCESS = "commit_success.txt"
+# On GCS Orbax writes a step under its final name and commits it by writing
+# this file in it (and in each item) last: a step without it is not finished.
+COMMIT_SUCCESS_FILE = "commit_success.txt"
+_COMMIT_SUCCESS = COMMIT_SUCCESS_FILE
 # Characters a step prefix may not hold: "/" (Orbax would write the step into
 # a subdirectory, which it never lists), NUL, and those Orbax's own listing
 # reads as regular expression syntax (it matches `^<prefix>_<digits>$`
@@ -129,6 +132,12 @@ def _step_pattern(step_prefix: Optional[str],
   return re.compile(rf"^{prefix}({digits})$")
 
 
+def commits_by_file(root: str) -> bool:
+  """Whether Orbax commits steps under `root` by `commit_success.txt`
+  instead of a rename (`gs://` roots, as Orbax's `is_gcs_path` decides)."""
+  return root.startswith("gs://")
+
+
 def is_orbax_root(path: str) -> bool:
   """True when `path` holds Orbax step directories (`<int>/` or tmp ones)."""
   if not storage.isdir(path):
@@ -176,7 +185,7 @@ def list_steps(root: str, *, step_prefix: Optional[str] = None,
   if not storage.exists(root) or not storage.isdir(root):
     return [], []
   pattern = _step_pattern(step_prefix, step_format_fixed_length)
-  remote = root.startswith("gs://")
+  remote = commits_by_file(root)
   steps, partial = [], []
   for name in storage.listdir(root):
     name = name.rstrip("/")
@@ -204,7 +213,13 @@ def _directory_bytes(path: str) -> int:
   if storage.is_local(path):
     return sum(os.path.getsize(os.path.join(d, f))
                for d, _, files in os.walk(path) for f in files)
-  return sum(storage.stat(p)[0] for p in storage.glob(f"{path}/**"))
+  total = 0
+  for entry in storage.glob(f"{storage.glob_escape(path)}/**"):
+    try:
+      total += storage.stat(entry)[0]
+    except errors.NotRegularFileError:
+      pass  # a subdirectory (a prefix in a bucket), or not a file
+  return total
 
 
 def _item_handlers(meta: dict) -> dict[str, str]:

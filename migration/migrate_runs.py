@@ -29,6 +29,14 @@ migrated are skipped. The destination of a source is
 A `--source-glob` match named `<base>-<integer>` whose `<base>-0` sibling
 exists stands for the `MultihostCheckpoint` base `<base>` (all its hosts).
 
+Buckets: sources, globs and the destination root may be `gs://` URLs (and
+sources `s3://` ones; an `s3://` destination is refused by `clu-ckpt
+migrate`), e.g. `--source-glob='gs://b/runs/*/checkpoints'
+--destination-root=gs://b/orbax_runs`; the clients are configured by the
+usual variables (`STORAGE_EMULATOR_HOST`, `AWS_ENDPOINT_URL`...), which the
+child processes inherit. All sources must then be on one store (one scheme
+and bucket), so that their common parent is defined.
+
 Sharding: `--num-shards=N --shard-index=I` (0 <= I < N) migrates only the
 sources of shard I. Every machine lists the whole fleet the same way (the
 sorted, normalized sources and their destinations, computed from the whole
@@ -65,6 +73,7 @@ import glob
 import hashlib
 import json
 import os
+import posixpath
 import re
 import subprocess
 import sys
@@ -111,8 +120,9 @@ _VERIFY = flags.DEFINE_bool(
     "verify", False, "Compare every migrated leaf with its source.")
 _DRY_RUN = flags.DEFINE_bool("dry-run", False, "Plan only; write nothing.")
 _MAX_INFLIGHT_MIB = flags.DEFINE_integer(
-    "max-inflight-mib", 128,
-    "Per run: array MiB handed to TensorStore at once.")
+    "max-inflight-mib", None,
+    "Per run: array MiB handed to TensorStore at once (default: clu-ckpt "
+    "migrate's, 128, or 16 for a gs:// destination).")
 _TEMPLATE = flags.DEFINE_string(
     "template", None,
     "MODULE:FUNCTION returning the train state whose structure each run's "
@@ -125,6 +135,7 @@ for _name in ("source-glob", "sources-file", "destination-root", "num-shards",
   flags.DEFINE_alias(_name.replace("-", "_"), _name)
 
 _HOST_DIR_RE = re.compile(r"^(?P<base>.+)-(?P<host>\d+)$")
+_URL_RE = re.compile(r"^[a-z][a-z0-9.+-]*://", re.I)
 _INDEX_ENV = "JOB_COMPLETION_INDEX"
 _PROG = "migrate_runs.py"
 
@@ -150,35 +161,83 @@ def find_sources(sources: Sequence[str], globs: Sequence[str],
   Returns:
     Sorted unique sources.
   """
-  found = [os.path.normpath(s) for s in sources]
+  found = [_normalize(s) for s in sources]
   for pattern in globs:
-    found += [_as_source(m) for m in glob.glob(pattern)]
+    found += [_as_source(m) for m in _glob(pattern)]
   if sources_file:
     with open(sources_file) as f:
       for line in f:
         line = line.split("#", 1)[0].strip()
         if line:
-          found.append(os.path.normpath(line))
+          found.append(_normalize(line))
   return sorted(set(found))
 
 
+def _split_url(path: str) -> tuple[str, str]:
+  """("gs://", "bucket/key") of a URL; ("", path) of a local path."""
+  m = _URL_RE.match(path)
+  return (m.group(0), path[m.end():]) if m else ("", path)
+
+
+def _normalize(path: str) -> str:
+  """A local path normalized; a URL with its key normalized (`//`, `..`)."""
+  scheme, rest = _split_url(path)
+  if not scheme:
+    return os.path.normpath(path)
+  return scheme.lower() + posixpath.normpath(rest).lstrip("/")
+
+
+def _glob(pattern: str) -> list[str]:
+  if not _split_url(pattern)[0]:
+    return glob.glob(pattern)
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  return storage.glob(_normalize(pattern))
+
+
 def _as_source(match: str) -> str:
-  match = os.path.normpath(match)
+  match = _normalize(match)
   m = _HOST_DIR_RE.match(match)
-  if m and not os.path.exists(m.group("base")) and os.path.isdir(
-      f"{m.group('base')}-0"):
-    return m.group("base")
+  if not m:
+    return match
+  base = m.group("base")
+  if _split_url(match)[0]:
+    from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+    exists, isdir = storage.exists, storage.isdir
+  else:
+    exists, isdir = os.path.exists, os.path.isdir
+  if not exists(base) and isdir(f"{base}-0"):
+    return base
   return match
 
 
 def destinations(sources: Sequence[str], root: str) -> dict[str, str]:
-  """Source -> `<root>/<source relative to the sources' common parent>`."""
+  """Source -> `<root>/<source relative to the sources' common parent>`.
+
+  Raises:
+    UsageError: The sources are not all local, or not all in one bucket.
+  """
   if not sources:
     return {}
-  parent = os.path.commonpath([os.path.dirname(os.path.abspath(s))
-                               for s in sources])
-  return {s: os.path.join(root, os.path.relpath(os.path.abspath(s), parent))
-          for s in sources}
+  schemes = {_split_url(s)[0] for s in sources}
+  if len(schemes) > 1 or (schemes != {""} and len(
+      {_split_url(s)[1].split("/", 1)[0] for s in sources}) > 1):
+    raise UsageError("sources on different stores (local paths and URLs, or "
+                     "several buckets): migrate each store's runs with its "
+                     "own command")
+  scheme = schemes.pop()
+  if scheme:
+    keys = {s: _split_url(s)[1] for s in sources}
+    parent = posixpath.commonpath([posixpath.dirname(k)
+                                   for k in keys.values()])
+    relative = {s: posixpath.relpath(k, parent) for s, k in keys.items()}
+  else:
+    parent = os.path.commonpath([os.path.dirname(os.path.abspath(s))
+                                 for s in sources])
+    relative = {s: os.path.relpath(os.path.abspath(s), parent)
+                for s in sources}
+  if _split_url(root)[0]:
+    return {s: f"{root.rstrip('/')}/{r}" for s, r in relative.items()}
+  return {s: os.path.join(root, r) for s, r in relative.items()}
 
 
 def shard_of(source: str, num_shards: int) -> int:
@@ -302,8 +361,9 @@ def _last_json(stdout: str) -> Optional[dict[str, Any]]:
 
 def _options() -> list[str]:
   options = ["--step-naming", _STEP_NAMING.value,
-             "--compression", _COMPRESSION.value,
-             "--max-inflight-mib", str(_MAX_INFLIGHT_MIB.value)]
+             "--compression", _COMPRESSION.value]
+  if _MAX_INFLIGHT_MIB.value is not None:
+    options += ["--max-inflight-mib", str(_MAX_INFLIGHT_MIB.value)]
   if _CHECKPOINTS.value == "latest":
     options.append("--latest")
   if _VERIFY.value:

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import clu_ckpt
 from clu_ckpt import orbax_items
+from clu_ckpt import tf_bundle
 
 
 def _iterator(start=0):
@@ -158,6 +159,39 @@ def test_corrupt_tf_files_are_reported_with_their_name(golden_copy):
   os.remove(src / "ckpt-5.data-00000-of-00001")
   with pytest.raises(FileNotFoundError, match=r"ckpt-5\.data"):
     orbax_items.read_tf_files(str(src / "ckpt-5"))
+
+
+def test_names_and_checks_without_tensorflow(golden_copy, monkeypatch):
+  def no_tensorflow():
+    raise ImportError("blocked")
+  monkeypatch.setattr(orbax_items, "_tensorflow", no_tensorflow)
+  src = golden_copy("single_host")
+  assert orbax_items.tf_state_names(str(src / "ckpt-3"), check=True) == [
+      "ds_iter"]
+  entries = tf_bundle.index_entries(str(src / "ckpt-3"))[1]
+  data = src / "ckpt-3.data-00000-of-00001"
+  raw = bytearray(data.read_bytes())
+  # The save counter's bytes: checked without TensorFlow (its crc32c).
+  counter = entries["save_counter/.ATTRIBUTES/VARIABLE_VALUE"]
+  raw[counter["offset"]] ^= 0x01
+  data.write_bytes(bytes(raw))
+  with pytest.raises(ValueError, match=r"ckpt-3\.data.*save_counter.*checksum"):
+    orbax_items.tf_state_names(str(src / "ckpt-3"), check=True)
+  # A truncated shard.
+  data4 = src / "ckpt-4.data-00000-of-00001"
+  data4.write_bytes(data4.read_bytes()[:100])
+  with pytest.raises(ValueError, match=r"ckpt-4\.data.*beyond the file"):
+    orbax_items.tf_state_names(str(src / "ckpt-4"), check=True)
+  # A flipped bit in the index: its block checksum.
+  index = src / "ckpt-5.index"
+  raw = bytearray(index.read_bytes())
+  raw[20] ^= 0x01
+  index.write_bytes(bytes(raw))
+  with pytest.raises(ValueError, match=r"ckpt-5\.index"):
+    orbax_items.tf_state_names(str(src / "ckpt-5"))
+  index.write_bytes(b"not a table" * 10)
+  with pytest.raises(ValueError, match="bad magic"):
+    orbax_items.tf_state_names(str(src / "ckpt-5"))
 
 
 def test_gather_packing_roundtrip():

@@ -32,6 +32,19 @@ the checkpoint size. Each step is written under a temporary name and renamed
 when complete (Orbax's own atomic save), so an interrupted migration leaves
 no partial step, and re-running it skips the steps already there.
 
+Buckets: sources may be `gs://` or `s3://` URLs, destinations `gs://` ones
+(`s3://` destinations are refused: stock Orbax 0.12 cannot restore from
+them), in any mix with local paths. Source files are read by ranged reads
+(a `.flax` is spooled to an unlinked temporary file and memory-mapped);
+TensorStore writes the arrays to the bucket itself, with a smaller in-flight
+window (`orbax_target.REMOTE_INFLIGHT_BYTES`). On GCS Orbax does not rename:
+it writes a step under its final name and commits it by writing
+`commit_success.txt` last; a step without it is unfinished, is not listed,
+and the next run removes and rewrites it. A step that fails verification
+loses its `commit_success.txt` first (unlisted at once), then its objects.
+TensorFlow is not needed: the iterator's files are copied byte for byte and
+their index is read without it (`orbax_items.tf_state_names`).
+
 The package's modules, each owning one part:
 
 - `plan`: the source (discover, select, state_step, name_steps, dataset).
@@ -59,6 +72,7 @@ from clu_ckpt.migration.orbax_target import list_steps
 from clu_ckpt.migration.orbax_target import METADATA_ITEM
 from clu_ckpt.migration.orbax_target import OrbaxTarget
 from clu_ckpt.migration.orbax_target import read_metadata
+from clu_ckpt.migration.orbax_target import REMOTE_INFLIGHT_BYTES
 from clu_ckpt.migration.orbax_target import STATE_ITEM
 from clu_ckpt.migration.orbax_target import Target
 from clu_ckpt.migration.plan import discover
@@ -88,7 +102,7 @@ __all__ = [
     "COMPRESSIONS", "DATASET_ITEM", "DEFAULT_INFLIGHT_BYTES",
     "DestinationLockedError", "FORMAT", "METADATA_ITEM", "Manifest",
     "MigrationError", "MigrationInterrupted", "VerificationError", "lock", "read_manifest", "MigrationSummary", "OrbaxTarget",
-    "Progress", "ProgressFn", "STATE_ITEM", "STEP_NAMINGS", "Selection",
+    "Progress", "ProgressFn", "REMOTE_INFLIGHT_BYTES", "STATE_ITEM", "STEP_NAMINGS", "Selection",
     "Source", "SourceCheckpoint", "StepResult", "Target", "decode_state",
     "describe_error", "discover", "encode_state", "list_steps", "migrate",
     "name_steps", "read_metadata", "restore_state", "same_leaf", "select",

@@ -45,8 +45,10 @@ from clu_ckpt.migration import verify as verify_lib
 FORMAT = "clu_ckpt.migration/1"
 COMPRESSIONS = ("zstd", "none")
 # Local `.flax` files parsed while planning stay open (mapped, their tree
-# parsed) for writing and verifying, up to this many; the others, and remote
-# files (read whole into memory), are parsed again when their turn comes.
+# parsed) for writing and verifying, up to this many; the others, and files
+# in buckets (each spooled to a temporary file while open: keeping them all
+# would need the run's size in $TMPDIR), are opened again when their turn
+# comes.
 _KEPT_HANDLES = 64
 
 MigrationError = errors.MigrationError
@@ -69,7 +71,7 @@ def migrate(source: str,
             compression: str = "zstd",
             dry_run: bool = False,
             verify: bool = False,
-            inflight_bytes: int = orbax_target.DEFAULT_INFLIGHT_BYTES,
+            inflight_bytes: Optional[int] = None,
             progress: Optional[ProgressFn] = None,
             target: Optional[orbax_target.Target] = None,
             step_prefix: Optional[str] = None,
@@ -110,11 +112,25 @@ def migrate(source: str,
     summary = migrate("/runs/a/checkpoints", "/runs/a/orbax",
                       template=abstract_state)
 
+  Buckets: `source` may be a `gs://` or `s3://` URL and `destination` a
+  `gs://` one (with `STORAGE_EMULATOR_HOST`, `AWS_ENDPOINT_URL`... as the
+  clients know them). The source's files are read by ranged reads;
+  TensorStore writes the arrays to the bucket itself, where Orbax commits a
+  step by writing `commit_success.txt` last (there is no rename): a step
+  without it is unfinished, is not listed, and is removed and written again
+  by the next run. TensorFlow is not needed: the iterator's files are
+  copied byte for byte, their index read and their layout checked without
+  it; where it is installed, TensorFlow also checks the iterator's values
+  (from a temporary local copy when they are in a bucket; see
+  `orbax_items.tf_state_names`).
+
   Args:
     source: A CLU `Checkpoint` base directory or `MultihostCheckpoint` base
-      (a path, relative or absolute, or a `file://` URL).
-    destination: The Orbax root directory (created if needed; a path or a
-      `file://` URL).
+      (a path, relative or absolute, a `file://` URL, or a `gs://`/`s3://`
+      URL).
+    destination: The Orbax root directory (created if needed; a path, a
+      `file://` URL or a `gs://` URL; `s3://` is refused: stock Orbax 0.12
+      cannot restore from it).
     checkpoints: "all" kept checkpoints, "latest", or checkpoint number(s).
     step_naming: "auto", "state" (the state's top-level `step`) or "number"
       (the CLU checkpoint number); see `name_steps`.
@@ -124,7 +140,9 @@ def migrate(source: str,
     dry_run: Only plan and check; write nothing.
     verify: Re-read every migrated leaf through Orbax and compare it
       bit-exactly with the source.
-    inflight_bytes: Array bytes handed to TensorStore at once (memory bound).
+    inflight_bytes: Array bytes handed to TensorStore at once (memory bound);
+      None: `orbax_target.DEFAULT_INFLIGHT_BYTES` (128 MiB) locally,
+      `orbax_target.REMOTE_INFLIGHT_BYTES` (16 MiB) for a bucket.
     progress: Called with a `Progress` as work advances (from any thread).
     target: Where the steps are written (a `Target`, see `orbax_target`).
       Default: an `OrbaxTarget` on `destination` with `compression` and
@@ -153,7 +171,8 @@ def migrate(source: str,
   Raises:
     MigrationError: The source or the options are unusable (including a
       `target` with a root other than `destination`, or with `compression`
-      or `inflight_bytes` given too), or the destination holds another
+      or `inflight_bytes` given too, and an `s3://` destination, refused
+      before anything is read or written), or the destination holds another
       source's steps.
     DestinationLockedError: Another migration is writing to `destination`.
     MigrationInterrupted: Ctrl-C (a KeyboardInterrupt in the calling
@@ -165,6 +184,16 @@ def migrate(source: str,
     raise MigrationError(f"unknown compression {compression!r}; use one of "
                          f"{', '.join(COMPRESSIONS)}")
   destination = layout.absolute(destination)
+  if target is None:
+    try:
+      orbax_target.check_destination(destination)
+    except errors.UsageError as e:
+      raise MigrationError(str(e)) from None
+  if orbax_target.is_bucket(destination) or orbax_target.is_bucket(
+      layout.absolute(source)):
+    # Before Orbax (epath, TensorStore) is imported.
+    from clu_ckpt import fsspec_fs  # pylint: disable=g-import-not-at-top
+    fsspec_fs.configure_environment()
   if target is not None:
     _check_target(target, destination, compression, inflight_bytes,
                   step_prefix, step_format_fixed_length)
@@ -268,7 +297,7 @@ def _locked(destination: str, dry_run: bool):
 
 
 def _check_target(target: orbax_target.Target, destination: str,
-                  compression: str, inflight_bytes: int,
+                  compression: str, inflight_bytes: Optional[int],
                   step_prefix: Optional[str],
                   step_format_fixed_length: Optional[int]) -> None:
   """Refuses a `target` that `migrate`'s other arguments contradict."""
@@ -281,7 +310,7 @@ def _check_target(target: orbax_target.Target, destination: str,
                          f"{destination!r}; pass its root as destination")
   given = [f"{name}={value!r}" for name, value, default in (
       ("compression", compression, "zstd"),
-      ("inflight_bytes", inflight_bytes, orbax_target.DEFAULT_INFLIGHT_BYTES),
+      ("inflight_bytes", inflight_bytes, None),
       ("step_prefix", step_prefix, None),
       ("step_format_fixed_length", step_format_fixed_length, None))
            if value != default]
@@ -341,7 +370,19 @@ class _Writer:
           handle: Optional[flax_format.FlaxFile], existing: set[int],
           manifest: destination_lib.Manifest, dry_run: bool,
           verify: bool) -> StepResult:
-    """Migrates one checkpoint; `handle` is its open `.flax` (or None)."""
+    """Migrates one checkpoint; `handle` is its open `.flax` (or None).
+
+    Raises:
+      MigrationError: This run lost the destination's lease (a bucket) to
+        another migration: nothing more is written, the run stops.
+    """
+    if not dry_run:
+      try:
+        destination_lib.ensure_held(self.destination)
+      except BaseException:
+        if handle is not None:
+          handle.close()
+        raise
     step = self.mapping[ckpt.number]
     result = StepResult(ckpt.number, step, "planned")
     start = time.time()

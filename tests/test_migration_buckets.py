@@ -1,0 +1,400 @@
+"""Migration, verify and inspect of Orbax roots in buckets, against emulators.
+
+Golden CLU runs (written by real clu 0.0.12) are uploaded to fake-gcs-server
+and moto's S3 server on 127.0.0.1 (tests/emulators.py), migrated, and every
+step of the Orbax output is restored by a stock `ocp.CheckpointManager` on
+the bucket and compared bit for bit with the source's `.flax` (read by
+`flax.serialization.msgpack_restore`) and its TensorFlow iterator files.
+The commands that must work without TensorFlow run in a child process where
+`import tensorflow` fails.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from clu_ckpt import orbax_root
+from clu_ckpt.migration import codec
+from clu_ckpt.migration import orbax_target
+
+GOLDEN = pathlib.Path(__file__).resolve().parents[2] / "shared" / "fixtures" / (
+    "clu-0.0.12")
+BLOCK_TF = "import sys; sys.modules['tensorflow'] = None\n"
+
+
+def _golden(name):
+  path = GOLDEN / name
+  if not path.is_dir():
+    pytest.skip(f"golden fixture {path} is not available")
+  return path
+
+
+def _cli(env, *args, block_tf=True, timeout=240):
+  """`clu-ckpt ARGS` in a child process (TensorFlow blocked by default)."""
+  code = (BLOCK_TF if block_tf else "") + textwrap.dedent("""\
+      import sys
+      from clu_ckpt import cli
+      sys.exit(cli.main(sys.argv[1:]))
+      """)
+  return subprocess.run([sys.executable, "-c", code, *args], env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+# --------------------------------------------------------------------------
+# What the source holds, read without the code under test.
+# --------------------------------------------------------------------------
+
+
+def _same(a, b):
+  if isinstance(a, dict):
+    return (isinstance(b, dict) and sorted(a) == sorted(b) and
+            all(_same(a[k], b[k]) for k in a))
+  if isinstance(a, (np.ndarray, np.generic)):
+    b = np.asarray(b)
+    return (np.asarray(a).dtype == b.dtype and np.shape(a) == b.shape and
+            np.asarray(a).tobytes() == b.tobytes())
+  if isinstance(a, float):
+    return np.float64(a).tobytes() == np.float64(b).tobytes()
+  return type(a) is type(b) and a == b
+
+
+def _source_state(host_dir, name):
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  return serialization.msgpack_restore(
+      (pathlib.Path(host_dir) / f"{name}.flax").read_bytes())
+
+
+def _tf_files(host_dir, name):
+  files = {}
+  for path in pathlib.Path(host_dir).glob(f"{name}.*"):
+    suffix = path.name[len(name) + 1:]
+    if suffix == "index" or suffix.startswith("data-"):
+      files[suffix] = path.read_bytes()
+  return files
+
+
+def check_restores(root, hosts, *, expect_dataset=True):
+  """Every step under `root`, restored by stock Orbax, equals its source.
+
+  Args:
+    root: The Orbax root (URL or path).
+    hosts: Host id -> local golden directory of that host.
+    expect_dataset: Whether the source has iterator state.
+
+  Returns:
+    The steps.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.CheckpointManager(str(root)) as mngr:
+    steps = mngr.all_steps()
+    assert steps
+    for step in steps:
+      restored = mngr.restore(step)
+      meta = restored["metadata"]
+      name = meta["clu_checkpoint"]
+      expected = _source_state(hosts[min(hosts)], name)
+      # Stock Orbax's tree; the few leaves it cannot hold as they were
+      # (numpy scalars...) are recorded stand-ins, turned back here.
+      state = codec.decode_state(restored["state"], meta["encoded"],
+                                 [leaf["path"] for leaf in meta["leaves"]])
+      assert _same(expected, state), (root, step)
+      if not expect_dataset:
+        assert "dataset" not in restored or restored["dataset"] is None
+        continue
+      dataset = restored["dataset"]
+      assert sorted(dataset) == [f"process_{h}" for h in sorted(hosts)]
+      for host, directory in hosts.items():
+        stored = dataset[f"process_{host}"]
+        want = _tf_files(directory, name)
+        assert sorted(stored) == sorted(want)
+        for suffix, data in want.items():
+          assert np.asarray(stored[suffix]).dtype == np.uint8
+          assert np.asarray(stored[suffix]).tobytes() == data, (step, suffix)
+  return steps
+
+
+def _objects(gcs, url):
+  bucket_key = url.split("://", 1)[1]
+  return sorted(gcs.fs().find(bucket_key))
+
+
+def _assert_clean(gcs, url):
+  """No unfinished step, temporary or discarded object under `url`."""
+  steps, partial = orbax_root.list_steps(url)
+  assert partial == []
+  objects = _objects(gcs, url)
+  assert not [o for o in objects if orbax_target.ORBAX_TMP_MARKER in o or
+              orbax_target.DISCARDED_MARKER in o]
+  for step in steps:
+    assert f"{url.split('://', 1)[1]}/{step}/commit_success.txt" in objects
+
+
+# --------------------------------------------------------------------------
+# Shared uploads and one TensorFlow-free migration.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(gcs):
+  bucket = gcs.bucket()
+  urls = {name: gcs.upload(_golden(name), name, bucket=bucket)
+          for name in ("single_host", "flax_only", "multihost")}
+  urls["bucket"] = f"gs://{bucket}"
+  return urls
+
+
+@pytest.fixture(scope="module")
+def migrated(gcs, runs):
+  """single_host migrated gs -> gs with --verify, TensorFlow blocked."""
+  destination = f"{runs['bucket']}/orbax"
+  result = _cli(gcs.child_env(), "migrate", runs["single_host"], destination,
+                "--verify", "--json")
+  return result, destination
+
+
+def test_gs_to_gs_without_tensorflow_restores_bit_exactly(gcs, runs,
+                                                          migrated):
+  result, destination = migrated
+  assert result.returncode == 0, result.stderr
+  summary = json.loads(result.stdout[result.stdout.index("{"):])
+  assert [(s["number"], s["status"], s["verified"])
+          for s in summary["steps"]] == [(3, "migrated", True),
+                                         (4, "migrated", True),
+                                         (5, "migrated", True)]
+  steps = check_restores(destination, {0: _golden("single_host")})
+  assert steps == [300, 400, 500]
+  _assert_clean(gcs, destination)
+  # The commit time is the source's save time (set before the commit file).
+  stamps = [float(line.split(":")[1]) for line in
+            (_golden("single_host") / "checkpoint").read_text().splitlines()
+            if line.startswith("all_model_checkpoint_timestamps:")]
+  for step, stamp in zip(steps, stamps):
+    meta = json.loads(gcs.fs().cat_file(
+        f"{destination.split('://')[1]}/{step}/_CHECKPOINT_METADATA"))
+    assert meta["commit_timestamp_nsecs"] == int(round(stamp * 1e9))
+
+
+def test_verify_and_inspect_orbax_root_without_tensorflow(gcs, runs,
+                                                          migrated):
+  _, destination = migrated
+  env = gcs.child_env()
+  verify = _cli(env, "verify", destination, "--source", runs["single_host"])
+  assert verify.returncode == 0, verify.stderr
+  assert "3 checked, 0 problems" in verify.stdout
+  inspect = _cli(env, "inspect", destination)
+  assert inspect.returncode == 0, inspect.stderr
+  for step in ("300", "400", "500"):
+    assert step in inspect.stdout
+  assert "tensorflow" not in inspect.stderr.lower()
+
+
+def test_rerun_skips_committed_steps(gcs, runs, migrated):
+  _, destination = migrated
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  summary = migration.migrate(runs["single_host"], destination)
+  assert [s.status for s in summary.steps] == ["skipped"] * 3
+
+
+def test_s3_source_to_gs_destination(gcs, s3, runs):
+  # In this process: a source without iterator state needs no TensorFlow.
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  source = s3.upload(_golden("flax_only"), "run")
+  destination = f"{runs['bucket']}/orbax-from-s3"
+  summary = migration.migrate(source, destination, verify=True)
+  assert summary.ok and all(s.verified for s in summary.steps)
+  assert check_restores(destination, {0: _golden("flax_only")},
+                        expect_dataset=False) == [10, 20]
+  _assert_clean(gcs, destination)
+
+
+def test_local_to_gs_and_gs_to_local(gcs, runs, tmp_path):
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  up = f"{runs['bucket']}/orbax-from-local"
+  summary = migration.migrate(str(_golden("flax_only")), up, verify=True)
+  assert summary.ok
+  assert check_restores(up, {0: _golden("flax_only")},
+                        expect_dataset=False) == [10, 20]
+  down = tmp_path / "orbax"
+  summary = migration.migrate(runs["flax_only"], str(down), verify=True)
+  assert summary.ok and summary.destination == str(down)
+  assert check_restores(down, {0: _golden("flax_only")},
+                        expect_dataset=False) == [10, 20]
+
+
+def test_multihost_base_on_gs_without_tensorflow(gcs, runs):
+  golden = _golden("multihost")
+  destination = f"{runs['bucket']}/orbax-mh"
+  result = _cli(gcs.child_env(), "migrate", f"{runs['multihost']}/checkpoints",
+                destination, "--verify", "--json")
+  assert result.returncode == 0, result.stderr
+  summary = json.loads(result.stdout[result.stdout.index("{"):])
+  assert summary["kind"] == "MultihostCheckpoint"
+  assert summary["not_on_all_hosts"] == [3]
+  assert all(s["verified"] for s in summary["steps"])
+  hosts = {0: golden / "checkpoints-0", 1: golden / "checkpoints-1"}
+  assert check_restores(destination, hosts) == [1, 2]
+
+
+def test_s3_destination_refused_before_anything_is_written(gcs, s3, runs):
+  bucket = s3.bucket()
+  result = _cli(gcs.child_env(**s3.env()), "migrate", runs["flax_only"],
+                f"s3://{bucket}/orbax")
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert "s3://" in lines[0] and "not supported" in lines[0]
+  assert s3.fs().find(bucket) == []
+
+
+def test_uncommitted_step_is_unlisted_verified_as_unfinished_and_redone(
+    gcs, runs):
+  from clu_ckpt import cli  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  destination = f"{runs['bucket']}/orbax-uncommitted"
+  assert migration.migrate(runs["flax_only"], destination, checkpoints=[1]).ok
+  key = destination.split("://")[1]
+  # What a write of step 20 killed before its commit leaves on GCS: objects
+  # under the final name, no commit_success.txt.
+  gcs.fs().pipe_file(f"{key}/20/_CHECKPOINT_METADATA", b"{}")
+  gcs.fs().pipe_file(f"{key}/20/state/manifest.ocdbt", b"partial")
+  assert orbax_root.list_steps(destination) == ([10], ["20"])
+  assert cli.main(["verify", destination]) == 1
+  summary = migration.migrate(runs["flax_only"], destination)
+  assert [s.status for s in summary.steps] == ["skipped", "migrated"]
+  assert check_restores(destination, {0: _golden("flax_only")},
+                        expect_dataset=False) == [10, 20]
+  _assert_clean(gcs, destination)
+  # A step taken away (failed verification): unlisted, then removed.
+  target = orbax_target.OrbaxTarget(destination)
+  target.discard(20)
+  assert orbax_root.list_steps(destination) == ([10], [])
+  assert not [o for o in _objects(gcs, destination) if f"{key}/20/" in o]
+
+
+def test_killed_migration_resumes_on_the_bucket(gcs, runs):
+  destination = f"{runs['bucket']}/orbax-killed"
+  env = gcs.child_env(CLU_CKPT_LOCK_LEASE_SECONDS="1")
+  # The second step's commit (its commit time, then commit_success.txt)
+  # waits, so the kill finds it written but uncommitted.
+  code = BLOCK_TF + textwrap.dedent("""\
+      import sys, time
+      from clu_ckpt.migration import orbax_target
+      update = orbax_target._CommitTimeStore.update
+      calls = []
+      def slow_update(self, *args, **kwargs):
+        if orbax_target.COMMIT_TIME_FIELD in kwargs:
+          calls.append(1)
+          if len(calls) == 2:
+            time.sleep(120)
+        update(self, *args, **kwargs)
+      orbax_target._CommitTimeStore.update = slow_update
+      from clu_ckpt import cli
+      sys.exit(cli.main(sys.argv[1:]))
+      """)
+  child = subprocess.Popen(
+      [sys.executable, "-c", code, "migrate", runs["single_host"],
+       destination], env=env, stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE)
+  try:
+    deadline = time.monotonic() + 120
+    while True:
+      steps, partial = orbax_root.list_steps(destination)
+      if steps and partial:
+        break
+      assert child.poll() is None, child.stderr.read()
+      assert time.monotonic() < deadline
+      time.sleep(0.05)
+  finally:
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+  assert steps == [300] and partial == ["400"]
+  time.sleep(2.5)  # the killed run's 1 s lease goes stale (+ the margin)
+  for _ in range(5):
+    result = _cli(env, "migrate", runs["single_host"], destination,
+                  "--verify")
+    if "another migration" not in result.stderr:
+      break
+    time.sleep(1)
+  assert result.returncode == 0, result.stderr
+  assert "ckpt-3 -> step 300: skipped, verified" in result.stdout
+  assert "ckpt-4 -> step 400: migrated, verified" in result.stdout
+  assert check_restores(destination, {0: _golden("single_host")}) == [
+      300, 400, 500]
+  _assert_clean(gcs, destination)
+
+
+def test_migrate_runs_over_two_runs_in_a_bucket(gcs, tmp_path):
+  bucket = gcs.bucket()
+  gcs.upload(_golden("flax_only"), "runs/a/checkpoints", bucket=bucket)
+  gcs.upload(_golden("single_host"), "runs/b/checkpoints", bucket=bucket)
+  script = pathlib.Path(__file__).resolve().parents[1] / "migration" / (
+      "migrate_runs.py")
+  report = tmp_path / "report.json"
+  # Each run's `clu-ckpt migrate` child without TensorFlow.
+  (tmp_path / "sitecustomize.py").write_text(BLOCK_TF)
+  env = gcs.child_env(PYTHONPATH=os.pathsep.join(
+      [str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+  result = subprocess.run(
+      [sys.executable, str(script),
+       f"--source-glob=gs://{bucket}/runs/*/checkpoints",
+       f"--destination-root=gs://{bucket}/orbax_runs", "--parallelism=2",
+       f"--report={report}"],
+      env=env, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stdout + result.stderr
+  runs = json.loads(report.read_text())["runs"]
+  assert [(r["source"], r["destination"], r["status"]) for r in runs] == [
+      (f"gs://{bucket}/runs/a/checkpoints",
+       f"gs://{bucket}/orbax_runs/a/checkpoints", "ok"),
+      (f"gs://{bucket}/runs/b/checkpoints",
+       f"gs://{bucket}/orbax_runs/b/checkpoints", "ok")]
+  assert orbax_root.list_steps(
+      f"gs://{bucket}/orbax_runs/b/checkpoints")[0] == [300, 400, 500]
+  assert orbax_root.list_steps(
+      f"gs://{bucket}/orbax_runs/a/checkpoints")[0] == [10, 20]
+
+
+def test_default_window_is_smaller_for_buckets():
+  assert orbax_target.default_inflight_bytes("/x/orbax") == (
+      orbax_target.DEFAULT_INFLIGHT_BYTES)
+  assert orbax_target.default_inflight_bytes("gs://b/orbax") == (
+      orbax_target.REMOTE_INFLIGHT_BYTES)
+  assert orbax_target.REMOTE_INFLIGHT_BYTES < (
+      orbax_target.DEFAULT_INFLIGHT_BYTES)
+  assert orbax_target.OrbaxTarget("gs://b/o").inflight_bytes == (
+      orbax_target.REMOTE_INFLIGHT_BYTES)
+  with pytest.raises(Exception, match="s3://"):
+    orbax_target.OrbaxTarget("s3://b/o")
+
+
+def test_a_run_that_lost_its_lease_stops_writing(gcs, runs, monkeypatch):
+  """Another migration takes the lease mid-run: no further step is written."""
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import migrate  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv(destination.LEASE_ENV, "1")
+  dest = f"gs://{gcs.bucket()}/orbax"
+  lock = f"{dest}/{destination.LOCK_NAME}"
+
+  def progress(event):
+    if event.event == "done" and not storage.exists(f"{lock}.stolen"):
+      with storage.atomic_writer(lock) as write:  # another holder's lease
+        write(json.dumps({"host": "elsewhere", "pid": 4242, "since": "now",
+                          "token": "theirs", "seq": 1}).encode())
+      storage.create_exclusive(f"{lock}.stolen", b"")
+      time.sleep(1.0)  # the holder's refresher (every lease/3) notices
+
+  with pytest.raises(destination.MigrationError,
+                     match="lost the lock.*elsewhere pid 4242"):
+    migrate(runs["single_host"], dest, progress=progress)
+  steps, _ = orbax_root.list_steps(dest)
+  assert steps == [300]  # the first step, written before the loss
+  # The new holder's lock is left alone.
+  assert json.loads(storage.read_bytes(lock))["token"] == "theirs"
