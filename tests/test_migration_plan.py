@@ -106,3 +106,27 @@ def test_saved_at_of_a_multihost_source_is_the_state_hosts(tmp_path):
 
 def test_a_constructed_source_checkpoint_has_no_time():
   assert plan.SourceCheckpoint(3, {0: "/c/ckpt-3"}).saved_at is None
+
+
+@pytest.mark.parametrize("step,want", [
+    (7, 7), (np.int64(7), 7), (np.asarray(5, np.int32), 5), (1.5, None),
+    (np.arange(2), None), (True, None),
+])
+def test_peek_step_reads_only_the_head_of_a_bucket_file(gcs, monkeypatch,
+                                                        step, want):
+  from clu_ckpt import fsspec_fs  # pylint: disable=g-import-not-at-top
+  maps = []
+  real_map = fsspec_fs.FsspecFileSystem.map
+  monkeypatch.setattr(fsspec_fs.FsspecFileSystem, "map",
+                      lambda self, path, **kw: maps.append(path) or real_map(
+                          self, path, **kw))
+  path = f"gs://{gcs.bucket()}/run/ckpt-1.flax"
+  big = np.zeros(3 * plan.PEEK_BYTES // 4, np.float32)  # 3 MiB after `step`
+  flax_format.save_file({"step": step, "w": big}, path)
+  assert plan.peek_step(path) == (
+      want, len(flax_format.save({"step": step, "w": big})))
+  assert maps == []  # never downloaded whole
+  # `step` after 3 MiB of arrays: the whole file is parsed, same answer.
+  flax_format.save_file({"a": big, "step": step}, path)
+  assert plan.peek_step(path)[0] == want
+  assert maps == [path]

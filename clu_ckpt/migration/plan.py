@@ -248,6 +248,42 @@ def state_step(source: Union[str, flax_format.FlaxFile]) -> Optional[int]:
   return int(source.subtree("step"))
 
 
+# `peek_step` reads this much of a remote `.flax` to find its `step`.
+PEEK_BYTES = 1 << 20
+
+
+def peek_step(path: str) -> tuple[Optional[int], int]:
+  """(`state_step`, file size) of a `.flax` in a bucket, from its first bytes.
+
+  A remote file is read whole when it is parsed (`storage.map_file` spools
+  it); planning needs only its `step`, which a train state stores before its
+  arrays. So the first `PEEK_BYTES` are fetched by one ranged read and the
+  `step` found there; only when it lies beyond them (or they cannot be
+  parsed) is the whole file parsed, as `state_step` does.
+
+  Example::
+
+    peek_step("gs://b/run/ckpt-7.flax")   # (7000, 512_000_123)
+
+  Raises:
+    FlaxFormatError: The file is corrupt (found by the full parse).
+    OSError: It cannot be read.
+  """
+  size, _ = storage.stat(path)
+  head = storage.filesystem(path).read_bytes(path, 0, min(size, PEEK_BYTES))
+  try:
+    value = flax_format.load(head, subtree="step")
+  except (flax_format.FlaxFormatError, KeyError, TypeError, ValueError):
+    return state_step(path), size  # beyond the first bytes, or damaged
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer,
+                                                       np.ndarray)):
+    return None, size
+  if isinstance(value, np.ndarray) and (value.shape != () or
+                                        value.dtype.kind not in "iu"):
+    return None, size
+  return int(value), size
+
+
 def name_steps(checkpoints: Sequence[SourceCheckpoint],
                steps: Mapping[int, Optional[int]],
                step_naming: str = "auto") -> tuple[str, dict[int, int]]:

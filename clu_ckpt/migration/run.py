@@ -215,13 +215,19 @@ def migrate(source: str,
       host = _state_host(src, state_host)
       # Only the headers and `step` now; array data is read ahead as it is
       # written.
-      handle = flax_format.FlaxFile(ckpt.flax_path(host), read_data=False)
+      path = ckpt.flax_path(host)
+      if not storage.is_local(path):
+        # A bucket's file is downloaded when it is parsed: here only its
+        # first bytes, for the `step`; it is read whole once, to be written.
+        steps[ckpt.number], sizes[ckpt.number] = plan.peek_step(path)
+        usable.append(ckpt)
+        continue
+      handle = flax_format.FlaxFile(path, read_data=False)
       steps[ckpt.number] = plan.state_step(handle)
       sizes[ckpt.number] = handle.nbytes
-      if len(handles) < _KEPT_HANDLES and storage.is_local(handle.path):
+      if len(handles) < _KEPT_HANDLES:
         handles[ckpt.number] = handle
       else:
-        # Remote files are read whole: they are not all held at once.
         handle.close()
       usable.append(ckpt)
     except (OSError, flax_format.FlaxFormatError) as e:
