@@ -218,9 +218,24 @@ class FsspecFileSystem(filesystem.FileSystem):
       raise
     except Exception as e:  # pylint: disable=broad-except
       translated = _translate(e, path)
+      if isinstance(translated, FileNotFoundError):
+        translated = self._not_found(path)
       if translated is e:
         raise
       raise translated from e
+
+  def _not_found(self, path: str) -> FileNotFoundError:
+    """What is missing at `path`: the bucket itself, or the object."""
+    _, bucket, _ = split_url(path)
+    try:
+      bucket_exists = bool(bucket) and self.fs.exists(bucket)
+    except Exception:  # pylint: disable=broad-except
+      bucket_exists = True  # cannot tell: report the path
+    if not bucket_exists:
+      return FileNotFoundError(
+          2, f"bucket {bucket!r} does not exist (or is not visible with these "
+          "credentials)", path)
+    return FileNotFoundError(2, os.strerror(2), path)
 
   # -- the seam ---------------------------------------------------------------
 
@@ -258,9 +273,7 @@ class FsspecFileSystem(filesystem.FileSystem):
       except FileNotFoundError:
         found = False
     if not found:
-      raise FileNotFoundError(
-          2, f"bucket {bucket!r} does not exist (or is not visible with "
-          "these credentials)", path)
+      raise self._not_found(path)
     self._buckets.add(bucket)
 
   def remove(self, path: str) -> None:

@@ -205,3 +205,15 @@ def test_local_prefix_copies_a_checkpoints_files(root, tmp_path):
   assert not os.path.exists(local)
   with storage.local_prefix(str(tmp_path / "ckpt-1")) as prefix:
     assert prefix == str(tmp_path / "ckpt-1")
+
+
+def test_a_missing_bucket_is_named_by_every_operation(bucket_store):
+  url = f"{bucket_store.scheme}://no-such-bucket-y2/run"
+  for call in (lambda: storage.glob(f"{url}/ckpt-*"),
+               lambda: storage.stat(f"{url}/checkpoint"),
+               lambda: storage.read_bytes(f"{url}/checkpoint"),
+               lambda: storage.listdir(url),
+               lambda: storage.makedirs(url)):
+    with pytest.raises(FileNotFoundError,
+                       match="bucket 'no-such-bucket-y2' does not exist"):
+      call()

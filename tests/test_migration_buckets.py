@@ -398,3 +398,14 @@ def test_a_run_that_lost_its_lease_stops_writing(gcs, runs, monkeypatch):
   assert steps == [300]  # the first step, written before the loss
   # The new holder's lock is left alone.
   assert json.loads(storage.read_bytes(lock))["token"] == "theirs"
+
+
+def test_missing_buckets_are_one_line_naming_them(gcs, runs):
+  for args in (("migrate", runs["flax_only"], "gs://no-such-bucket-q7/orbax"),
+               ("migrate", "gs://no-such-bucket-q7/run", f"{runs['bucket']}/x"),
+               ("inspect", "gs://no-such-bucket-q7/run")):
+    out = _cli(gcs.child_env(), *args)
+    assert out.returncode == 1, (args, out.stderr)
+    lines = [l for l in out.stderr.splitlines() if l.startswith("clu-ckpt")]
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "bucket 'no-such-bucket-q7' does not exist" in lines[0], lines

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import os
 import re
 import threading
@@ -575,7 +576,10 @@ def describe_error(e: BaseException) -> str:
   device`.
   """
   if isinstance(e, FileNotFoundError) and e.filename:
-    return f"{e.filename}: file not found"
+    # A store says what is missing (a bucket) where it knows more than ENOENT.
+    problem = e.strerror if e.strerror and e.strerror != os.strerror(
+        errno.ENOENT) else "file not found"
+    return f"{e.filename}: {problem}"
   text = str(e).strip()
   code = re.search(r"os_error_code='(\d+)'", text)
   if code:
