@@ -17,13 +17,16 @@ parameters and bfloat16 moments, a tf.data iterator; written as
 round then runs, each in a fresh process:
 
 - `store`: the emulator's own limits: the source `.flax` downloaded in
-  16 MiB ranges (4 at a time) and discarded, and as many bytes uploaded as
-  one object in 16 MiB parts;
+  16 MiB ranges (4 at a time) and discarded, and as many bytes written by
+  TensorStore (what both migrations write with) as 64 MiB values, all at
+  once;
 - `naive`: the `.flax` downloaded whole (`gcsfs.cat_file`),
   `flax.serialization.msgpack_restore`, then Orbax `CheckpointManager`
   `save(StandardSave(...))` into `gs://<bucket>/naive-<run>`;
 - `clu_ckpt`: `clu_ckpt.migration.migrate("gs://<bucket>/run",
-  "gs://<bucket>/clu-<run>")` (all items: state, dataset, metadata).
+  "gs://<bucket>/clu-<run>")` (all items: state, dataset, metadata), with
+  the default write window for a bucket; `clu_ckpt@N` with a window of N
+  MiB (`--methods naive,clu_ckpt,clu_ckpt@64`).
 
 Each migration child records its RssAnon (anonymous memory, not the page
 cache, which also holds `map`'s spooled copy) after its imports as the
@@ -78,13 +81,18 @@ def _child_store(src: str, dst: str) -> dict:
     fs.cat_ranges([key] * len(starts[i:i + 4]), starts[i:i + 4],
                   [min(s + _CHUNK, size) for s in starts[i:i + 4]])
   read = time.perf_counter() - start
-  block = os.urandom(_CHUNK)
+  # Written as the migrations write: TensorStore, 64 MiB values, concurrent.
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  bucket, _, prefix = dst[len("gs://"):].partition("/")
+  kv = ts.KvStore.open({"driver": "gcs", "bucket": bucket,
+                        "path": prefix + "/"}).result()
+  block = os.urandom(64 * 2**20)
   start = time.perf_counter()
-  with fs.open(dst[len("gs://"):] + "/blob", "wb", block_size=_CHUNK) as f:
-    for _ in range(0, size, _CHUNK):
-      f.write(block)
+  futures = [kv.write(f"blob{i}", block) for i in range(0, size, len(block))]
+  for f in futures:
+    f.result()
   write = time.perf_counter() - start
-  fs.rm(dst[len("gs://"):] + "/blob")
+  fs.rm(dst[len("gs://"):], recursive=True)
   return {"bytes": size, "read_s": read, "write_s": write}
 
 
@@ -107,14 +115,15 @@ def _child_naive(src: str, dst: str) -> dict:
           "extra_rss": peak.peak - base}
 
 
-def _child_clu_ckpt(src: str, dst: str) -> dict:
+def _child_clu_ckpt(src: str, dst: str, inflight_mib: int = 0) -> dict:
   import clu_ckpt  # pylint: disable=g-import-not-at-top
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
   base = _rss_anon()
   start = time.perf_counter()
   with _peak_sampler() as peak:
-    summary = migration.migrate(src, dst)
+    summary = migration.migrate(
+        src, dst, inflight_bytes=inflight_mib * 2**20 or None)
   failed = [str(r) for r in summary.failed]
   if failed:
     raise RuntimeError(f"migration failed: {failed}")
@@ -128,6 +137,7 @@ _CHILDREN = {"store": _child_store, "naive": _child_naive,
 
 
 def _run_child(method: str, src: str, dst: str, env: dict) -> dict:
+  """One measurement in a fresh process; `clu_ckpt@N` sets the window."""
   out = subprocess.run(
       [sys.executable, __file__, "--child", method, "--src", src, "--dst",
        dst], env=env, capture_output=True, text=True, timeout=3600)
@@ -163,10 +173,11 @@ def _measure(args) -> dict:
     for i in range(args.runs):
       row = {"store": _run_child("store", src, f"gs://{bucket}/store-{i}",
                                  env)}
-      for method in ("naive", "clu_ckpt"):
-        row[method] = _run_child(method, src, f"gs://{bucket}/{method}-{i}",
+      for method in args.methods:
+        name = method.replace("@", "-")
+        row[method] = _run_child(method, src, f"gs://{bucket}/{name}-{i}",
                                  env)
-        gcs.fs().rm(f"{bucket}/{method}-{i}", recursive=True)
+        gcs.fs().rm(f"{bucket}/{name}-{i}", recursive=True)
         print(f"round {i + 1}: {method} {row[method]['seconds']:.2f}s",
               file=sys.stderr)
       runs.append(row)
@@ -190,21 +201,25 @@ def _report(result: dict) -> str:
       "medians; fake-gcs-server on 127.0.0.1",
       f"store: download {download:.0f} MB/s, upload {upload:.0f} MB/s",
       "",
-      "method    seconds  naive/x  MB/s  of upload  extra RssAnon  x size  "
+      "method       seconds  naive/x  MB/s  of upload  extra RssAnon  x size  "
       "x naive's",
-      "--------  -------  -------  ----  ---------  -------------  ------  "
+      "-----------  -------  -------  ----  ---------  -------------  ------  "
       "---------"]
-  for method in ("naive", "clu_ckpt"):
+  methods = [m for m in runs[0] if m != "store"]
+  for method in methods:
     s, rss = med(method, "seconds"), med(method, "extra_rss")
     rate = size / s / _MB
     lines.append(
-        f"{method:<8}  {s:7.2f}  {naive_s / s:7.2f}  {rate:4.0f}  "
+        f"{method:<11}  {s:7.2f}  {naive_s / s:7.2f}  {rate:4.0f}  "
         f"{rate / upload:9.2f}  {rss / 2**20:9.0f} MiB  {rss / size:6.2f}  "
         f"{rss / naive_rss:9.2f}")
-  rss = med("clu_ckpt", "extra_rss")
   lines.append("")
-  lines.append(f"issue 14 item 2, extra memory <= 0.25x the checkpoint: "
-               f"{rss / size:.2f}x -> {'met' if rss <= 0.25 * size else 'NOT met'}")
+  for method in methods:
+    if method.startswith("clu_ckpt"):
+      rss = med(method, "extra_rss")
+      lines.append(f"issue 14 item 2, {method}: extra memory <= 0.25x the "
+                   f"checkpoint: {rss / size:.2f}x -> "
+                   f"{'met' if rss <= 0.25 * size else 'NOT met'}")
   return "\n".join(lines)
 
 
@@ -213,6 +228,10 @@ def main() -> None:
   parser.add_argument("--size-gib", type=float, default=0.5)
   parser.add_argument("--runs", type=int, default=3)
   parser.add_argument("--workdir", default="/tmp/clu_ckpt_bench_buckets")
+  parser.add_argument(
+      "--methods", type=lambda t: t.split(","), default=["naive", "clu_ckpt"],
+      help="naive, clu_ckpt (the default window for a bucket), clu_ckpt@N "
+      "(a window of N MiB)")
   parser.add_argument("--json")
   parser.add_argument("--from-json")
   parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -220,7 +239,9 @@ def main() -> None:
   parser.add_argument("--dst", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(_CHILDREN[args.child](args.src, args.dst)))
+    method, _, inflight = args.child.partition("@")
+    extra = (int(inflight),) if inflight else ()
+    print(json.dumps(_CHILDREN[method](args.src, args.dst, *extra)))
     return
   if args.from_json:
     with open(args.from_json) as f:

@@ -10,7 +10,6 @@ in a child process where `import tensorflow` fails.
 """
 
 import contextlib
-import hashlib
 import json
 import os
 import pathlib
@@ -32,6 +31,7 @@ from clu_ckpt import errors
 from clu_ckpt import storage
 
 from conftest import golden_case  # pylint: disable=g-bad-import-order
+import digests  # pylint: disable=g-bad-import-order
 from conftest import read_manifest
 
 
@@ -59,22 +59,8 @@ def batch(it) -> list[int]:
 
 
 def digest(tree: Any) -> dict[str, list]:
-  """Path -> (kind, dtype, shape, sha256 of the bytes) or (type, repr)."""
-  out = {}
-
-  def walk(node, path):
-    if isinstance(node, dict) and node:
-      for key, value in node.items():
-        walk(value, f"{path}/{key}")
-    elif isinstance(node, (np.ndarray, np.generic)):
-      a = np.asarray(node)
-      out[path] = ["array", str(a.dtype), list(a.shape), type(node).__name__,
-                   hashlib.sha256(a.tobytes()).hexdigest()]
-    else:
-      out[path] = [type(node).__name__, repr(node)]
-
-  walk(serialization.to_state_dict(tree), "")
-  return out
+  """See `digests.digest`; `tree` may be a dataclass (a state dict is made)."""
+  return digests.digest(serialization.to_state_dict(tree))
 
 
 def oracle(path: pathlib.Path) -> dict[str, list]:
@@ -87,26 +73,13 @@ def listing(url: str) -> list[str]:
 
 
 # What a child without TensorFlow runs first (see `run_without_tf`).
-_NO_TF = """
-import hashlib, json, sys
+_NO_TF = f"""
+import json, sys
 sys.modules["tensorflow"] = None   # `import tensorflow` raises ImportError
+sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
 import numpy as np
 from clu_ckpt import checkpoint
-
-def digest(tree):
-  out = {}
-  def walk(node, path):
-    if isinstance(node, dict) and node:
-      for key, value in node.items():
-        walk(value, f"{path}/{key}")
-    elif isinstance(node, (np.ndarray, np.generic)):
-      a = np.asarray(node)
-      out[path] = ["array", str(a.dtype), list(a.shape), type(node).__name__,
-                   hashlib.sha256(a.tobytes()).hexdigest()]
-    else:
-      out[path] = [type(node).__name__, repr(node)]
-  walk(tree, "")
-  return out
+from digests import digest
 """
 
 
