@@ -56,6 +56,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
+import errno
 import mmap
 import os
 import re
@@ -334,8 +335,8 @@ class FsspecFileSystem(filesystem.FileSystem):
     key = self._key(path)
     starts = list(range(0, size, SPOOL_CHUNK))
     with tempfile.TemporaryFile(prefix="clu_ckpt-spool-") as spool:
-      spool.truncate(size)
       fd = spool.fileno()
+      _reserve(fd, size, path)
 
       def fetch(start: int) -> None:
         end = min(start + SPOOL_CHUNK, size)
@@ -346,8 +347,11 @@ class FsspecFileSystem(filesystem.FileSystem):
                         f"({len(data)} bytes at {start}, {end - start} "
                         "expected)")
         view = memoryview(data)
-        while view:
-          view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+        try:
+          while view:
+            view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+        except OSError as e:
+          raise _spool_error(e, path, size) from e
 
       with concurrent.futures.ThreadPoolExecutor(
           SPOOL_READS, thread_name_prefix="clu_ckpt-spool") as pool:
@@ -388,6 +392,24 @@ class FsspecFileSystem(filesystem.FileSystem):
         if _status(e) in (409, 412):
           raise FileExistsError(17, "already exists", path) from None
         raise
+
+
+def _spool_error(e: OSError, path: str, size: int) -> OSError:
+  """`e` naming the object and where its local copy was going."""
+  return OSError(e.errno, f"{path}: its {size}-byte local copy in "
+                 f"{tempfile.gettempdir()} failed ({e.strerror}); set TMPDIR "
+                 "to a directory with room for it")
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+  """Allocates the spool file's blocks, so that a full disk fails at once."""
+  try:
+    os.posix_fallocate(fd, 0, size)
+  except OSError as e:
+    if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+      os.ftruncate(fd, size)  # a file system without fallocate
+    else:
+      raise _spool_error(e, path, size) from e
 
 
 def _mtime(info: dict) -> float:

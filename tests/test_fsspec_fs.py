@@ -217,3 +217,27 @@ def test_a_missing_bucket_is_named_by_every_operation(bucket_store):
     with pytest.raises(FileNotFoundError,
                        match="bucket 'no-such-bucket-y2' does not exist"):
       call()
+
+
+def test_a_full_temporary_directory_fails_at_once_naming_both(
+    root, tmp_path, monkeypatch):
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  small = tmp_path / "small"
+  small.mkdir()
+  if os.geteuid() != 0 or shutil.which("mount") is None or subprocess.run(
+      ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+      capture_output=True).returncode != 0:
+    pytest.skip("cannot mount a small tmpfs here (needs root)")
+  try:
+    with storage.atomic_writer(f"{root}/big.flax") as write:
+      write(b"x" * (3 * 2**20))
+    monkeypatch.setattr(tempfile, "tempdir", str(small))
+    with pytest.raises(OSError) as info:
+      storage.map_file(f"{root}/big.flax")
+    assert info.value.errno == 28  # ENOSPC
+    assert f"{root}/big.flax" in str(info.value) and str(small) in str(
+        info.value) and "TMPDIR" in str(info.value)
+    assert os.listdir(small) == []  # the spool is unlinked
+  finally:
+    subprocess.run(["umount", "-l", str(small)], capture_output=True)
