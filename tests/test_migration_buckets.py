@@ -409,3 +409,15 @@ def test_missing_buckets_are_one_line_naming_them(gcs, runs):
     lines = [l for l in out.stderr.splitlines() if l.startswith("clu-ckpt")]
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert "bucket 'no-such-bucket-q7' does not exist" in lines[0], lines
+
+
+def test_progress_totals_match_what_was_done_from_a_bucket(runs, tmp_path):
+  from clu_ckpt.migration import migrate  # pylint: disable=g-import-not-at-top
+  events = []
+  summary = migrate(runs["single_host"], str(tmp_path / "orbax"),
+                    progress=events.append)
+  done = [e for e in events if e.event == "done"]
+  assert len(done) == len(summary.steps) == 3
+  # Planned from the files' sizes (not downloaded), corrected as each is read.
+  assert events[0].total_nbytes > sum(r.nbytes for r in summary.steps)
+  assert events[-1].total_nbytes == sum(r.nbytes for r in summary.steps)

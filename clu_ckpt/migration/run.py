@@ -236,7 +236,7 @@ def migrate(source: str,
                                         error=describe_error(e))
   try:
     naming, mapping = plan.name_steps(usable, steps, step_naming)
-    notify = _with_plan(notify, len(chosen), sum(sizes.values()))
+    notify = _with_plan(notify, len(chosen), sizes)
     for number, result in results.items():
       notify(Progress("failed", number, result.step, message=result.error))
 
@@ -270,10 +270,27 @@ def migrate(source: str,
   return _summary(src, destination, naming, chosen, results, dry_run)
 
 
-def _with_plan(notify: ProgressFn, count: int, total: int) -> ProgressFn:
-  """`notify`, each event given the run's checkpoint count and bytes."""
-  return lambda event: notify(dataclasses.replace(
-      event, count=count, total_nbytes=total))
+def _with_plan(notify: ProgressFn, count: int,
+               sizes: Mapping[int, int]) -> ProgressFn:
+  """`notify`, each event given the run's checkpoint count and bytes.
+
+  `sizes` are the planned bytes per checkpoint number: the array bytes of a
+  local file, the file size of a bucket's (whose arrays are counted only
+  when it is read, to be written). A step's own events carry its array
+  bytes; they replace the estimate, so the total ends equal to what was
+  done.
+  """
+  planned = dict(sizes)
+  total = [sum(planned.values())]
+
+  def wrapped(event: Progress) -> None:
+    if (event.event in ("start", "skipped", "done") and event.nbytes and
+        planned.get(event.number, event.nbytes) != event.nbytes):
+      total[0] += event.nbytes - planned[event.number]
+      planned[event.number] = event.nbytes
+    notify(dataclasses.replace(event, count=count, total_nbytes=total[0]))
+
+  return wrapped
 
 
 def _summary(src: plan.Source, destination: str, naming: str,
