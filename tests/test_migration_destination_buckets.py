@@ -23,6 +23,7 @@ from clu_ckpt import filesystem
 from clu_ckpt import local_fs
 from clu_ckpt import storage
 from clu_ckpt.migration import destination
+from clu_ckpt.migration import lease
 
 LEASE = 2.0
 STALE = destination.stale_after(LEASE)
@@ -187,7 +188,7 @@ def test_old_takeover_markers_are_cleaned(root, monkeypatch):
   with destination.lock(root):
     pass
   assert len(_names(root)) == 1   # younger than the keep period
-  monkeypatch.setattr(destination, "MARKER_KEEP_LEASES", 0)
+  monkeypatch.setattr(lease, "MARKER_KEEP_LEASES", 0)
   with destination.lock(root):
     pass
   assert _names(root) == []
@@ -305,7 +306,7 @@ def test_lapsed_lease_makes_record_raise(root, monkeypatch):
   with destination.lock(root):
     manifest = destination.read_manifest(root)
     # As if every refresh failed (the store unreachable) for a whole lease.
-    monkeypatch.setattr(destination._Lease, "_refresh",  # pylint: disable=protected-access
+    monkeypatch.setattr(lease.Lease, "_refresh",  # pylint: disable=protected-access
                         lambda self: (_ for _ in ()).throw(OSError("down")))
     time.sleep(LEASE + 0.3)
     with pytest.raises(errors.MigrationError, match="not refreshed for"):
