@@ -57,6 +57,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import errno
+import inspect
 import mmap
 import os
 import re
@@ -131,6 +132,10 @@ def _status(e: BaseException) -> Optional[int]:
   return None
 
 
+# Packages whose own exceptions (not OSErrors) mean a failed store operation.
+_STORE_MODULES = ("gcsfs", "s3fs", "aiohttp", "botocore", "aiobotocore",
+                  "google", "requests", "urllib3")
+
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError",
                       "DefaultCredentialsError", "RefreshError",
                       "TransportError")
@@ -153,6 +158,11 @@ def _translate(e: BaseException, path: str) -> BaseException:
     return StoreAccessError(f"{path}: access refused by the store ({e})")
   if status == 404:
     return FileNotFoundError(2, f"not found ({e})", path)
+  if (status is not None and status >= 400) or not isinstance(e, OSError) and (
+      type(e).__module__.split(".")[0] in _STORE_MODULES):
+    # A server error (503, 429 after the client's retries) or a connection
+    # failure: an I/O error like any other, naming the object.
+    return OSError(errno.EIO, f"{path}: {type(e).__name__}: {e}")
   return e
 
 
@@ -202,6 +212,10 @@ class FsspecFileSystem(filesystem.FileSystem):
     options: dict[str, Any] = {"skip_instance_cache": True,
                                "use_listings_cache": False}
     if package == "gcsfs":
+      if os.environ.get("STORAGE_EMULATOR_HOST"):
+        # An emulator takes no credentials: do not look for any (that would
+        # ask a metadata server, or Google's token endpoint).
+        options["token"] = "anon"
       return module.GCSFileSystem(**options)
     return module.S3FileSystem(**options)
 
@@ -305,7 +319,12 @@ class FsspecFileSystem(filesystem.FileSystem):
       info = self.fs.info(self._key(path))
     if info.get("type") == "directory":
       raise errors.NotRegularFileError(path, "a directory (a prefix)")
-    return int(info.get("size") or 0), _mtime(info)
+    mtime = _mtime(info)
+    if not mtime:
+      # The lease judges staleness by it: never take a missing time as 0.
+      with self._naming(path):
+        mtime = self.fs.modified(self._key(path)).timestamp()
+    return int(info.get("size") or 0), mtime
 
   def check_regular_file(self, path: str) -> None:
     self.stat(path)
@@ -383,6 +402,11 @@ class FsspecFileSystem(filesystem.FileSystem):
       FileExistsError: An object is already at `path`.
     """
     self.makedirs(path)
+    if not _has_exclusive_create(self.fs):
+      raise NotImplementedError(
+          f"{path}: the installed {type(self.fs).__module__.split('.')[0]} "
+          "cannot create an object only if absent (upgrade it, and botocore "
+          "for s3://)")
     with self._naming(path):
       try:
         self.fs.pipe_file(self._key(path), data, mode="create")
@@ -392,6 +416,30 @@ class FsspecFileSystem(filesystem.FileSystem):
         if _status(e) in (409, 412):
           raise FileExistsError(17, "already exists", path) from None
         raise
+
+
+def _has_exclusive_create(fs: Any) -> bool:
+  """Whether `fs.pipe_file(..., mode="create")` is a conditional write.
+
+  Older gcsfs / s3fs releases take no `mode` (s3fs silently drops unknown
+  arguments: the write would be unconditional), and S3's `IfNoneMatch`
+  needs botocore 1.35.21 or later.
+  """
+  method = getattr(type(fs), "_pipe_file", None) or getattr(
+      type(fs), "pipe_file", None)
+  try:
+    if "mode" not in inspect.signature(method).parameters:
+      return False
+  except (TypeError, ValueError):
+    return False
+  if type(fs).__module__.split(".")[0] == "s3fs":
+    try:
+      import botocore  # pylint: disable=g-import-not-at-top
+      version = tuple(int(p) for p in botocore.__version__.split(".")[:3])
+    except (ImportError, ValueError):
+      return False
+    return version >= (1, 35, 21)
+  return True
 
 
 def _spool_error(e: OSError, path: str, size: int) -> OSError:
@@ -421,7 +469,8 @@ def _mtime(info: dict) -> float:
     if isinstance(value, datetime.datetime):
       return value.timestamp()
     if isinstance(value, str) and value:
-      text = value.replace("Z", "+00:00")
+      # Python 3.10's fromisoformat takes neither "Z" nor 9 fractional digits.
+      text = re.sub(r"(\.\d{6})\d+", r"\1", value.replace("Z", "+00:00"))
       with contextlib.suppress(ValueError):
         return datetime.datetime.fromisoformat(text).timestamp()
   return 0.0

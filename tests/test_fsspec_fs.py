@@ -241,3 +241,32 @@ def test_a_full_temporary_directory_fails_at_once_naming_both(
     assert os.listdir(small) == []  # the spool is unlinked
   finally:
     subprocess.run(["umount", "-l", str(small)], capture_output=True)
+
+
+def test_store_errors_become_oserrors_naming_the_path():
+  class HttpError(Exception):  # what gcsfs raises for a 5xx after retries
+    def __init__(self, code):
+      super().__init__("Service Unavailable")
+      self.code = code
+  HttpError.__module__ = "gcsfs.retry"
+  e = fsspec_fs._translate(HttpError(503), "gs://b/x")  # pylint: disable=protected-access
+  assert isinstance(e, OSError) and "gs://b/x" in str(e) and "503" not in (
+      type(e).__name__)
+  assert isinstance(fsspec_fs._translate(HttpError(403), "gs://b/x"),  # pylint: disable=protected-access
+                    PermissionError)
+  plain = ValueError("not the store's")
+  assert fsspec_fs._translate(plain, "gs://b/x") is plain  # pylint: disable=protected-access
+
+
+def test_modification_times_parse_on_every_python():
+  assert fsspec_fs._mtime(  # pylint: disable=protected-access
+      {"updated": "2026-11-23T16:39:41.123456789Z"}) == pytest.approx(
+          1795451981.123456)
+  assert fsspec_fs._mtime({"mtime": 5.0}) == 5.0  # pylint: disable=protected-access
+
+
+def test_exclusive_create_needs_a_conditional_write(root, monkeypatch):
+  monkeypatch.setattr(fsspec_fs, "_has_exclusive_create", lambda fs: False)
+  with pytest.raises(NotImplementedError, match="only if absent"):
+    storage.create_exclusive(f"{root}/.lock", b"x")
+  assert not storage.exists(f"{root}/.lock")

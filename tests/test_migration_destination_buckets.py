@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -393,3 +394,20 @@ def test_two_cli_migrations_into_one_bucket(gcs, golden_copy):
       [sys.executable, "-m", "clu_ckpt", "verify", dst, "--source", src],
       capture_output=True, text=True, env=env, timeout=300)
   assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_failed_acquire_leaves_no_refresher_and_no_lock(root, monkeypatch):
+  def broken(self):
+    raise RuntimeError("503 from the store")
+  monkeypatch.setattr(lease.Lease, "_clean_markers", broken)
+  before = set(threading.enumerate())
+  with pytest.raises(RuntimeError, match="503"):
+    with destination.lock(root):
+      pass
+  assert not [t for t in set(threading.enumerate()) - before
+              if t.name.startswith("clu_ckpt-lease")]
+  assert not storage.exists(f"{root}/{destination.LOCK_NAME}")
+  monkeypatch.undo()
+  monkeypatch.setenv(destination.LEASE_ENV, str(LEASE))
+  with destination.lock(root) as holder:  # this process can take it again
+    assert holder["pid"] == os.getpid()

@@ -236,8 +236,12 @@ class Lease:
     lease._thread = threading.Thread(  # pylint: disable=protected-access
         target=lease._refresh_loop, name=f"clu_ckpt-lease {root}",  # pylint: disable=protected-access
         daemon=True)
-    lease._thread.start()  # pylint: disable=protected-access
-    lease._clean_markers()  # pylint: disable=protected-access
+    try:
+      lease._thread.start()  # pylint: disable=protected-access
+      lease._clean_markers()  # pylint: disable=protected-access
+    except BaseException:
+      lease.release()  # no refresher left running, no lock left held
+      raise
     return lease
 
   def _encode(self) -> bytes:
@@ -347,7 +351,7 @@ class Lease:
         _, mtime = storage.stat(marker)
         if time.time() - mtime > MARKER_KEEP_LEASES * stale_after(self.lease):
           storage.remove(marker)
-    except OSError as e:
+    except Exception as e:  # pylint: disable=broad-except
       logging.warning("%s: could not clean old takeover markers: %s",
                       self.root, e)
 
@@ -440,7 +444,7 @@ class Lease:
       holder = _parse_holder(_read_or_none(self.path))
       if holder.get("token") == self.record["token"]:
         storage.remove(self.path)
-    except OSError as e:
+    except Exception as e:  # pylint: disable=broad-except
       logging.warning("%s: could not remove the lock %s (%s); it lapses "
                       "after %.0f s", self.root, self.path, e,
                       stale_after(self.lease))
