@@ -226,8 +226,17 @@ class ObjectStoreManager:
     return checkpoint
 
   def _delete_unlisted(self, checkpoints: Sequence[str]) -> None:
-    """Deletes TensorFlow's files of those `checkpoints` no longer listed."""
+    """Deletes TensorFlow's files of those `checkpoints` no longer listed.
+
+    Listed means in this manager's list or in the state file on the store:
+    a manager whose clock is behind the file's `last_preserved_timestamp`
+    manages fewer checkpoints than the file lists, and those stay.
+    """
     listed = set(self._maybe_delete) | {self._latest_checkpoint}
+    on_store = layout.read_checkpoint_state(self._directory)
+    if on_store is not None:
+      listed |= set(on_store.all_model_checkpoint_paths)
+      listed.add(on_store.model_checkpoint_path)
     for path in checkpoints:
       if path in listed or not layout.is_contained(self._directory, path):
         continue

@@ -169,3 +169,22 @@ def test_object_store_manager_finishes_a_killed_pruning(tmp_path):
   fresh._finish_pruning()  # pylint: disable=protected-access
   assert sorted(os.listdir(tmp_path)) == [
       "checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
+
+
+def test_a_killed_pruning_never_deletes_what_the_state_file_lists(tmp_path):
+  manager = tf_manager.ObjectStoreManager(
+      tf.train.Checkpoint(v=tf.Variable(0)), str(tmp_path), max_to_keep=2,
+      checkpoint_name="ckpt")
+  manager.save()
+  manager.save()
+  (tmp_path / tf_manager.PRUNING_FILENAME).write_text(
+      f'["{tmp_path}/ckpt-1"]')
+  fresh = tf_manager.ObjectStoreManager(
+      tf.train.Checkpoint(v=tf.Variable(0)), str(tmp_path), max_to_keep=2,
+      checkpoint_name="ckpt")
+  # A manager whose clock is behind the file's: it manages nothing, but the
+  # state file still lists ckpt-1, so its files stay.
+  fresh._maybe_delete.clear()  # pylint: disable=protected-access
+  fresh._finish_pruning()  # pylint: disable=protected-access
+  assert (tmp_path / "ckpt-1.index").exists()
+  assert not (tmp_path / tf_manager.PRUNING_FILENAME).exists()
