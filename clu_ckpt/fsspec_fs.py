@@ -244,10 +244,14 @@ class FsspecFileSystem(filesystem.FileSystem):
   def _not_found(self, path: str) -> FileNotFoundError:
     """What is missing at `path`: the bucket itself, or the object."""
     _, bucket, _ = split_url(path)
+    if bucket in self._buckets:  # known to exist: a missing object, no request
+      return FileNotFoundError(2, os.strerror(2), path)
     try:
       bucket_exists = bool(bucket) and self.fs.exists(bucket)
     except Exception:  # pylint: disable=broad-except
       bucket_exists = True  # cannot tell: report the path
+    if bucket_exists and bucket:
+      self._buckets.add(bucket)
     if not bucket_exists:
       return FileNotFoundError(
           2, f"bucket {bucket!r} does not exist (or is not visible with these "
