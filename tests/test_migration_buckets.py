@@ -379,7 +379,10 @@ def test_a_run_that_lost_its_lease_stops_writing(gcs, runs, monkeypatch):
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
   from clu_ckpt.migration import migrate  # pylint: disable=g-import-not-at-top
-  monkeypatch.setenv(destination.LEASE_ENV, "1")
+  # A lease far longer than the run: the refresher never rewrites the lock
+  # here (a rewrite racing the theft below could put ours back), so the loss
+  # must be seen by the check before the next step itself.
+  monkeypatch.setenv(destination.LEASE_ENV, "600")
   dest = f"gs://{gcs.bucket()}/orbax"
   lock = f"{dest}/{destination.LOCK_NAME}"
 
@@ -389,7 +392,6 @@ def test_a_run_that_lost_its_lease_stops_writing(gcs, runs, monkeypatch):
         write(json.dumps({"host": "elsewhere", "pid": 4242, "since": "now",
                           "token": "theirs", "seq": 1}).encode())
       storage.create_exclusive(f"{lock}.stolen", b"")
-      time.sleep(1.0)  # the holder's refresher (every lease/3) notices
 
   with pytest.raises(destination.MigrationError,
                      match="lost the lock.*elsewhere pid 4242"):

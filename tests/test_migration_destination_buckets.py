@@ -285,14 +285,20 @@ def test_paused_holder_loses_the_lock_and_records_nothing(root, bucket_store):
     child.close()
 
 
-def test_replaced_lock_makes_record_raise(root):
+def _steal(root):
+  with storage.atomic_writer(_lock_path(root)) as write:
+    write(json.dumps({"host": "thief", "pid": 77, "since": "now",
+                      "token": "t"}).encode())
+
+
+def test_replaced_lock_makes_record_raise_at_once(root, monkeypatch):
   with destination.lock(root):
     manifest = destination.read_manifest(root)
     manifest.record("/src", 1, "ckpt-1", 1)
-    with storage.atomic_writer(_lock_path(root)) as write:
-      write(json.dumps({"host": "thief", "pid": 77, "since": "now",
-                        "token": "t"}).encode())
-    time.sleep(LEASE / 3 + 0.7)   # the next refresh finds it
+    # No refresh at all: a rewrite racing the theft could put ours back, and
+    # the check before a write must not wait for the refresher anyway.
+    monkeypatch.setattr(lease.Lease, "_refresh", lambda self: None)
+    _steal(root)
     with pytest.raises(errors.MigrationError,
                        match=f"lost the lock on {re.escape(root)} to thief "
                        "pid 77"):
@@ -301,6 +307,23 @@ def test_replaced_lock_makes_record_raise(root):
       destination.ensure_held(root)
   assert sorted(destination.read_manifest(root).recorded("/src")) == [1]
   assert _read_lock(root)["host"] == "thief"   # not deleted: not ours
+
+
+def test_refresher_finds_a_replaced_lock(root, monkeypatch):
+  with destination.lock(root):
+    # Only the refresher may notice here.
+    monkeypatch.setattr(lease.Lease, "confirm", lambda self: None)
+    seq = _read_lock(root)["seq"]
+    deadline = time.monotonic() + 10 * LEASE
+    while _read_lock(root)["seq"] == seq:  # just after a refresh: the next
+      assert time.monotonic() < deadline   # one is a third of a lease away
+      time.sleep(0.02)
+    _steal(root)
+    time.sleep(LEASE / 3 + 0.7)
+    with pytest.raises(errors.MigrationError,
+                       match=f"lost the lock on {re.escape(root)} to thief"):
+      destination.ensure_held(root)
+  assert _read_lock(root)["host"] == "thief"
 
 
 def test_lapsed_lease_makes_record_raise(root, monkeypatch):

@@ -29,7 +29,8 @@ of a `gs://` or `s3://` root for the whole of a migration:
 - The holder whose lease lapses (no successful rewrite for a whole lease, by
   its own clock: before anyone may judge it stale) or whose token was
   replaced has lost the lock: `ensure_held` (called by the manifest before
-  each write, and by the migration before each step) then raises
+  each write, and by the migration before each step; it re-reads the lock
+  object, so a new holder is seen at once, not at the next refresh) raises
   `MigrationError` ("lost the lock on ROOT to HOST pid PID"), and on exit it
   leaves the lock alone; otherwise it deletes the lock on exit.
 
@@ -128,6 +129,7 @@ def ensure_held(root: str) -> None:
     lease = _HELD.get(_root_key(root))
   if lease is not None:
     lease.check()
+    lease.confirm()
 
 
 def lease_seconds() -> float:
@@ -396,6 +398,23 @@ class Lease:
       self._lose_by_age(age)
     if self._lost is not None:
       raise MigrationError(self._lost)
+
+  def confirm(self) -> None:
+    """Reads the lock object now; raises MigrationError if not ours.
+
+    The refresher notices a new holder within a third of a lease; this closes
+    that gap before a write, for the price of one small read. A read that
+    fails is left to the refresher and the lease's own clock.
+    """
+    try:
+      holder = _parse_holder(_read_or_none(self.path))
+    except OSError as e:
+      logging.warning("%s: could not read the lock %s (%s)", self.root,
+                      self.path, e)
+      return
+    if holder.get("token") != self.record["token"]:
+      self._lose_to(holder)
+    self.check()
 
   def _refresh_loop(self) -> None:
     interval = self.lease / 3
