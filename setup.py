@@ -61,6 +61,8 @@ setup(
             "orbax-checkpoint==0.12.8",
             "tensorstore==0.1.86",
             "pytest>=7",
+            # The quick run spreads over two processes (pytest.ini).
+            "pytest-xdist==3.8.0",
             "hypothesis>=6",
             "psutil>=5",
             # Object stores, and their emulators on 127.0.0.1 for the tests.

@@ -61,6 +61,7 @@ import inspect
 import mmap
 import os
 import re
+import sys
 import tempfile
 import threading
 from typing import Any, Callable, Iterator, Optional
@@ -92,10 +93,20 @@ def configure_environment() -> None:
   Called before gcsfs is imported (and by the migration before Orbax is):
   `GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`, `EPATH_USE_TF=false`, and
   `TENSORSTORE_GCS_HTTP_URL` from `STORAGE_EMULATOR_HOST` when only the
-  latter is set. Safe to call any number of times.
+  latter is set; etils' cached choice of TensorFlow for `gs://` paths is
+  forgotten, so it is made again under these settings. Safe to call any
+  number of times.
   """
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
   os.environ.setdefault("EPATH_USE_TF", "false")
+  # etils decides once per process whether its gs:// paths go through
+  # TensorFlow, caching the answer at the first such path: a path made
+  # before this call (by the user's code, or Orbax's) would keep Orbax on
+  # TensorFlow's gs://, which ignores the emulator and TENSORSTORE settings.
+  gpath = sys.modules.get("etils.epath.gpath")
+  decided = getattr(gpath, "_is_tf_installed", None)
+  if hasattr(decided, "cache_clear"):
+    decided.cache_clear()
   emulator = os.environ.get("STORAGE_EMULATOR_HOST")
   if emulator and "TENSORSTORE_GCS_HTTP_URL" not in os.environ:
     if not emulator.startswith(("http://", "https://")):

@@ -20,11 +20,22 @@ Synopsis::
   @pytest.mark.soak  # minutes long: skipped unless `--soak` is given
   def test_kill_anywhere(tmp_path): ...
 
-`python -m pytest -q tests` skips the `soak` tests (each has a quick version
-in the default run); `--soak` runs them too, `--soak -m soak` only them.
-They are run before a release (README.md, "Tests").
+  @pytest.mark.thorough  # seconds long: skipped unless `--thorough`
+  def test_two_cli_migrations_race(tmp_path): ...
+
+  @pytest.mark.thorough("s3")  # only the s3 variant waits for --thorough
+  def test_killed_holder_is_taken_over(bucket_store): ...
+
+`python -m pytest -q tests` is the quick run (two minutes on two cores): it
+skips the `soak` tests (each has a quick version in the default run) and the
+`thorough` ones (a real-process race, kill or fleet run whose family keeps a
+representative in the quick run, or the second store of a test both stores
+pass the same way). `--thorough` and `--soak` add them; `-m thorough` or
+`-m soak` select only them (`-m thorough` with both variants of a test
+marked for one store). Both are run before a release (README.md, "Tests").
 """
 
+import ctypes
 import json
 import os
 import pathlib
@@ -50,8 +61,12 @@ FIXTURES = (pathlib.Path(__file__).resolve().parents[2] / "shared" /
 # --------------------------------------------------------------------------
 
 SOAK_REASON = ("soak test (minutes): run with `python -m pytest -q tests "
-               "--soak` (all tests) or `python -m pytest -q tests --soak -m "
-               "soak` (only the soaks); they are run before a release")
+               "--soak -n 0` (all tests) or `python -m pytest -q tests --soak "
+               "-n 0 -m soak` (only the soaks; one process, so that their "
+               "1 GiB arrays never meet); they are run before a release")
+THOROUGH_REASON = ("thorough test (seconds; its family has a quick "
+                   "representative): run with `python -m pytest -q tests "
+                   "--thorough`; run before a release")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -59,22 +74,68 @@ def pytest_addoption(parser: pytest.Parser) -> None:
       "--soak", action="store_true", default=False,
       help="also run the tests marked `soak` (long kill loops, end-to-end "
       "runs; run before a release). Add `-m soak` to run only them.")
+  parser.addoption(
+      "--thorough", action="store_true", default=False,
+      help="also run the tests marked `thorough` (more real-process races, "
+      "kills and fleet runs, the second store; run before a release). Add "
+      "`-m thorough` to run only them.")
 
 
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line(
       "markers", "soak: a long soak or end-to-end kill test; skipped unless "
       "--soak is given (run before a release)")
+  config.addinivalue_line(
+      "markers", "thorough(*params): skipped unless --thorough is given; with "
+      "arguments, only the variants parametrized with one of them (e.g. "
+      "'s3')")
+
+
+def is_thorough(item: pytest.Item) -> bool:
+  """Whether `item` carries a `thorough` mark that applies to its variant."""
+  for mark in item.iter_markers("thorough"):
+    if not mark.args:
+      return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if any(v in mark.args for v in params.values() if isinstance(v, str)):
+      return True
+  return False
 
 
 def pytest_collection_modifyitems(config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
-  if config.getoption("--soak"):
-    return
-  skip = pytest.mark.skip(reason=SOAK_REASON)
+  soak = config.getoption("--soak")
+  thorough = config.getoption("--thorough")
   for item in items:
-    if item.get_closest_marker("soak") is not None:
-      item.add_marker(skip)
+    if not soak and item.get_closest_marker("soak") is not None:
+      item.add_marker(pytest.mark.skip(reason=SOAK_REASON))
+    elif not thorough and is_thorough(item):
+      item.add_marker(pytest.mark.skip(reason=THOROUGH_REASON))
+
+
+def _glibc() -> Any:
+  try:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc_trim  # pylint: disable=pointless-statement
+    return libc
+  except (OSError, AttributeError):  # not glibc: nothing to trim
+    return None
+
+
+_LIBC = _glibc()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+  """Hands the heap a test freed back to the system.
+
+  glibc keeps freed memory in its arenas (one per thread that allocated:
+  TensorFlow's, TensorStore's), so without this the run's resident memory
+  only grows, test after test, to the sum of the tests' peaks.
+  """
+  del item
+  if _LIBC is not None:
+    _LIBC.malloc_trim(0)
 
 
 def golden_case(name: str) -> pathlib.Path:

@@ -1,7 +1,9 @@
 """`clu_ckpt.checkpoint` on gs:// and s3:// directories, against real emulators.
 
 Every test runs on fake-gcs-server and on moto's S3 server (`bucket_store`,
-tests/emulators.py, 127.0.0.1 only). The oracles: the golden directories
+tests/emulators.py, 127.0.0.1 only); the S3 variants only with `--thorough`
+(this module's code paths are the same on both stores; test_fsspec_fs.py
+runs both stores' own behaviour in the quick run). The oracles: the golden directories
 written by clu 0.0.12 (uploaded as they are), their MANIFEST.json (the
 iterator's next batch), `flax.serialization.msgpack_restore` of the same
 local file (bit for bit), and the real `clu` restoring what clu_ckpt saved
@@ -33,6 +35,8 @@ from clu_ckpt import storage
 from conftest import golden_case  # pylint: disable=g-bad-import-order
 import digests  # pylint: disable=g-bad-import-order
 from conftest import read_manifest
+
+pytestmark = pytest.mark.thorough("s3")
 
 
 @flax.struct.dataclass
@@ -237,6 +241,7 @@ def run_url(bucket_store):
   return f"{bucket_store.scheme}://{bucket_store.bucket()}/run"
 
 
+@pytest.mark.thorough
 def test_save_like_clu(run_url, bucket_store, tmp_path):
   clu_dir = tmp_path / "clu"
   ours_it, clu_it = dataset_iterator(), dataset_iterator()
@@ -415,6 +420,7 @@ def test_killed_anywhere_in_a_save(run_url, monkeypatch):
       "remove clu_ckpt-pruning.json", "remove ckpt-1.flax"]
 
 
+@pytest.mark.thorough
 def test_sigkill_while_committing(run_url, bucket_store):
   """A real kill (os._exit) halfway through the state file's upload."""
   code = f"""

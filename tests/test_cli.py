@@ -95,6 +95,7 @@ def test_usage_errors_exit_2(tmp_path):
   assert cli.main([]) == 2
 
 
+@pytest.mark.thorough
 def test_corrupt_source_in_a_real_process(tmp_path, golden_copy):
   src = golden_copy("single_host")
   flax = src / "ckpt-5.flax"
@@ -285,6 +286,7 @@ def test_symlink_out_of_the_directory_is_refused(capsys, tmp_path, golden_copy,
   assert "symlink" in done.stdout + done.stderr
 
 
+@pytest.mark.thorough("migrate")
 @pytest.mark.parametrize("command", ["inspect", "verify", "migrate"])
 @pytest.mark.parametrize("name", ["ckpt-5.flax", "checkpoint",
                                   "ckpt-5.index"])
@@ -318,6 +320,7 @@ def _mount_tmpfs(target, size):
                         capture_output=True).returncode == 0
 
 
+@pytest.mark.thorough
 def test_full_disk_during_migrate(tmp_path):
   from clu import checkpoint as clu_checkpoint  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -344,6 +347,7 @@ def test_full_disk_during_migrate(tmp_path):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.thorough
 def test_migrate_into_a_locked_destination_is_one_line_naming_the_holder(
     tmp_path, golden_copy):
   from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
@@ -400,6 +404,7 @@ def _template_module(tmp_path, name):
   return module
 
 
+@pytest.mark.thorough
 def test_migrate_with_a_template_module(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top

@@ -1687,6 +1687,7 @@ def test_many_small_leaves_states_decode_within_the_bound(name, shape_reports):
   _check_bounded(size, report, legit=True)
 
 
+@pytest.mark.thorough("nested")
 @pytest.mark.parametrize("name", sorted(_LEGIT_STATES))
 def test_many_small_leaves_states_load_like_flax_on_the_factor_alone(
     name, monkeypatch):

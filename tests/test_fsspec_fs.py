@@ -183,6 +183,33 @@ def test_reads_without_tensorflow(gcs):
   assert "['a'] b'hello'" in out.stdout
 
 
+def test_an_earlier_epath_choice_of_tensorflow_is_made_again(gcs):
+  """etils caches "gs:// goes through TensorFlow" at its first gs:// path.
+
+  A path made before clu_ckpt sets `EPATH_USE_TF=false` (the user's code,
+  or Orbax's) must not keep Orbax on TensorFlow's gs://, which never sees
+  the emulator (nor TENSORSTORE settings): this child would ask DNS for
+  www.googleapis.com.
+  """
+  url = gcs.upload(_tiny_tree(gcs), "epath")
+  env = gcs.child_env()
+  del env["EPATH_USE_TF"]
+  code = textwrap.dedent(f"""
+      from etils import epath
+      before = type(epath.Path("{url}")._backend).__name__
+      from clu_ckpt import fsspec_fs
+      fsspec_fs.configure_environment()
+      after = type(epath.Path("{url}")._backend).__name__
+      print(before, after, (epath.Path("{url}") / "a").read_bytes())
+  """)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=120, env=env)
+  assert out.returncode == 0, out.stderr
+  before, after, data = out.stdout.split()
+  assert before == "_TfBackend", out.stdout  # what the user's path chose
+  assert after != "_TfBackend" and data == "b'hello'", out.stdout
+
+
 def _tiny_tree(emulator):
   root = emulator.root / "tiny"
   root.mkdir(exist_ok=True)

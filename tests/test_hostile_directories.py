@@ -362,6 +362,7 @@ def named_pipe_children(tmp_path_factory):
   return printed, child, seconds
 
 
+@pytest.mark.thorough
 @pytest.mark.parametrize("fifo, call", _NAMED_PIPE_CASES)
 def test_named_pipe_is_an_error_not_a_hang(named_pipe_children, fifo, call):
   printed, child, seconds = named_pipe_children

@@ -286,6 +286,7 @@ def fixture_fleet(tmp_path_factory):
   return root, {0: _finish(shard0), 1: _finish(shard1)}
 
 
+@pytest.mark.thorough
 @pytest.mark.parametrize("index", [0, 1])
 def test_each_shard_migrates_its_runs(fleet, index):
   root, runs = fleet
@@ -300,6 +301,7 @@ def test_each_shard_migrates_its_runs(fleet, index):
   assert (root / "orbax" / run_name / "checkpoints" / str(10 + index)).is_dir()
 
 
+@pytest.mark.thorough
 @pytest.mark.parametrize("index", [0, 1])
 def test_output_has_one_line_per_run(fleet, index):
   _, runs = fleet
@@ -313,6 +315,7 @@ def test_output_has_one_line_per_run(fleet, index):
       r"all done in .+", lines[0]), lines[0]
 
 
+@pytest.mark.thorough
 def test_merged_shard_reports_list_every_run(fleet):
   root, _ = fleet
   run = _script("--merge-reports", "all.json", "shard1.json", "shard0.json",
@@ -324,6 +327,7 @@ def test_merged_shard_reports_list_every_run(fleet):
   assert merged["ok"] and merged["destination_root"] == "orbax"
 
 
+@pytest.mark.thorough
 def test_merging_another_fleet_exits_2_with_one_line(fleet):
   root, _ = fleet
   other = json.loads((root / "shard1.json").read_text())
@@ -352,6 +356,7 @@ def test_template_that_is_not_module_function_exits_2(tmp_path):
   assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.thorough
 def test_template_is_passed_to_each_migration(tmp_path):
   from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
   from migration_helpers import example_state  # pylint: disable=g-import-not-at-top

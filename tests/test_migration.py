@@ -342,6 +342,7 @@ def test_many_arrays_through_a_small_budget(tmp_path):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.thorough
 def test_fleet_script_migrates_runs_and_reports(tmp_path, golden_copy):
   broken = golden_copy("single_host")
   (broken / "ckpt-5.flax").write_bytes(b"\x81")

@@ -182,6 +182,7 @@ def test_gs_to_gs_without_tensorflow_restores_bit_exactly(gcs, runs,
     assert meta["commit_timestamp_nsecs"] == int(round(stamp * 1e9))
 
 
+@pytest.mark.thorough
 def test_verify_and_inspect_orbax_root_without_tensorflow(gcs, runs,
                                                           migrated):
   _, destination = migrated
@@ -203,6 +204,7 @@ def test_rerun_skips_committed_steps(gcs, runs, migrated):
   assert [s.status for s in summary.steps] == ["skipped"] * 3
 
 
+@pytest.mark.thorough
 def test_s3_source_to_gs_destination(gcs, s3, runs):
   # In this process: a source without iterator state needs no TensorFlow.
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
@@ -229,6 +231,7 @@ def test_local_to_gs_and_gs_to_local(gcs, runs, tmp_path):
                         expect_dataset=False) == [10, 20]
 
 
+@pytest.mark.thorough
 def test_multihost_base_on_gs_without_tensorflow(gcs, runs):
   golden = _golden("multihost")
   destination = f"{runs['bucket']}/orbax-mh"
@@ -243,6 +246,7 @@ def test_multihost_base_on_gs_without_tensorflow(gcs, runs):
   assert check_restores(destination, hosts) == [1, 2]
 
 
+@pytest.mark.thorough
 def test_s3_destination_refused_before_anything_is_written(gcs, s3, runs):
   bucket = s3.bucket()
   result = _cli(gcs.child_env(**s3.env()), "migrate", runs["flax_only"],
@@ -279,6 +283,7 @@ def test_uncommitted_step_is_unlisted_verified_as_unfinished_and_redone(
   assert not [o for o in _objects(gcs, destination) if f"{key}/20/" in o]
 
 
+@pytest.mark.thorough
 def test_killed_migration_resumes_on_the_bucket(gcs, runs):
   destination = f"{runs['bucket']}/orbax-killed"
   env = gcs.child_env(CLU_CKPT_LOCK_LEASE_SECONDS="1")
@@ -331,6 +336,7 @@ def test_killed_migration_resumes_on_the_bucket(gcs, runs):
   _assert_clean(gcs, destination)
 
 
+@pytest.mark.thorough
 def test_migrate_runs_over_two_runs_in_a_bucket(gcs, tmp_path):
   bucket = gcs.bucket()
   gcs.upload(_golden("flax_only"), "runs/a/checkpoints", bucket=bucket)
@@ -402,6 +408,7 @@ def test_a_run_that_lost_its_lease_stops_writing(gcs, runs, monkeypatch):
   assert json.loads(storage.read_bytes(lock))["token"] == "theirs"
 
 
+@pytest.mark.thorough
 def test_missing_buckets_are_one_line_naming_them(gcs, runs):
   for args in (("migrate", runs["flax_only"], "gs://no-such-bucket-q7/orbax"),
                ("migrate", "gs://no-such-bucket-q7/run", f"{runs['bucket']}/x"),

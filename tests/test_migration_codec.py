@@ -338,6 +338,7 @@ def test_restore_state_of_lists_written_by_msgpack_serialize(tmp_path):
   _assert_exact(migration.restore_state(str(tmp_path / "dst")), want)
 
 
+@pytest.mark.thorough
 def test_cli_migrate_verify_on_the_tricky_state(tmp_path):
   clu_save(tmp_path / "src", [_with_unicode(_tricky_state())])
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(

@@ -206,6 +206,7 @@ def _assert_listed_steps_restore_exactly(src, dst):
   return len(steps)
 
 
+@pytest.mark.thorough
 def test_two_migrations_at_once_one_waits_out(tmp_path):
   src = _source(tmp_path, mib=1)  # the size does not matter here
   dst = tmp_path / "dst"

@@ -3,7 +3,9 @@
 Against the emulators of tests/emulators.py (fake-gcs-server and moto's S3
 server on 127.0.0.1), with a lease of 2 s (`CLU_CKPT_LOCK_LEASE_SECONDS`), so
 that a lock goes stale in `destination.stale_after(2)` = 4 s. Real child
-processes where a test needs a kill, a pause (SIGSTOP) or a race.
+processes where a test needs a kill, a pause (SIGSTOP) or a race. The S3
+variants, and the longer races, kills and pauses, run with `--thorough`; the
+stores' own exclusive create is in test_fsspec_fs.py's quick run.
 """
 
 import hashlib
@@ -25,6 +27,8 @@ from clu_ckpt import local_fs
 from clu_ckpt import storage
 from clu_ckpt.migration import destination
 from clu_ckpt.migration import lease
+
+pytestmark = pytest.mark.thorough("s3")
 
 LEASE = 2.0
 STALE = destination.stale_after(LEASE)
@@ -168,6 +172,7 @@ def test_second_taker_is_refused_naming_the_holder(root, bucket_store):
     child.close()
 
 
+@pytest.mark.thorough
 def test_stale_lock_is_taken_over_a_live_one_is_not(root):
   stale = _write_stale_lock(root)
   with pytest.raises(errors.DestinationLockedError, match="pid 4242"):
@@ -195,6 +200,7 @@ def test_old_takeover_markers_are_cleaned(root, monkeypatch):
   assert _names(root) == []
 
 
+@pytest.mark.thorough
 def test_dead_takeover_claimant_is_stepped_over(root):
   stale = _write_stale_lock(root)
   key = hashlib.sha256(stale).hexdigest()[:16]
@@ -209,6 +215,7 @@ def test_dead_takeover_claimant_is_stepped_over(root):
     assert _read_lock(root)["token"] == holder["token"]
 
 
+@pytest.mark.thorough
 def test_two_processes_race_for_a_stale_lock_one_wins(bucket_store):
   bucket = bucket_store.bucket()
   rounds = [f"{bucket_store.scheme}://{bucket}/r{i}" for i in range(4)]
@@ -236,6 +243,7 @@ def test_two_processes_race_for_a_stale_lock_one_wins(bucket_store):
       child.close()
 
 
+@pytest.mark.thorough
 def test_killed_holder_is_taken_over_after_the_lease(root, bucket_store):
   child = _Child(bucket_store).ready()
   try:
@@ -260,6 +268,7 @@ def test_killed_holder_is_taken_over_after_the_lease(root, bucket_store):
     child.close()
 
 
+@pytest.mark.thorough
 def test_paused_holder_loses_the_lock_and_records_nothing(root, bucket_store):
   child = _Child(bucket_store).ready()
   try:
@@ -309,6 +318,7 @@ def test_replaced_lock_makes_record_raise_at_once(root, monkeypatch):
   assert _read_lock(root)["host"] == "thief"   # not deleted: not ours
 
 
+@pytest.mark.thorough
 def test_refresher_finds_a_replaced_lock(root, monkeypatch):
   with destination.lock(root):
     # Only the refresher may notice here.
@@ -326,6 +336,7 @@ def test_refresher_finds_a_replaced_lock(root, monkeypatch):
   assert _read_lock(root)["host"] == "thief"
 
 
+@pytest.mark.thorough
 def test_lapsed_lease_makes_record_raise(root, monkeypatch):
   with destination.lock(root):
     manifest = destination.read_manifest(root)
@@ -393,6 +404,7 @@ def test_store_without_exclusive_create_warns_and_does_not_lock(monkeypatch):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.thorough
 def test_two_cli_migrations_into_one_bucket(gcs, golden_copy):
   src = gcs.upload(golden_copy("flax_only"), "run")
   dst = src.rsplit("/", 1)[0] + "/orbax"

@@ -235,6 +235,7 @@ with ocp.CheckpointManager(sys.argv[3]) as mngr:
 """
 
 
+@pytest.mark.thorough
 def test_every_process_keeps_its_own_iterator(tmp_path):
   # Two real JAX processes (CPU, gloo collectives) save one step together.
   import socket  # pylint: disable=g-import-not-at-top

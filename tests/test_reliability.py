@@ -46,6 +46,7 @@ P = _harness.kill_point
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.thorough
 def test_single_host_kill_point_restores_last_committed(tmp_path):
   """The quick version of the next test (a soak): one SIGKILL inside the
   .flax write, then a fresh process restores exactly the last committed

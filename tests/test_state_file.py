@@ -532,6 +532,7 @@ BIG_CASES = {
 }
 
 
+@pytest.mark.thorough("all escapes", "1.5M fields", "1M list items", "60 MiB path")
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"),
                     reason="peak memory is read from /proc/self/status")
 @pytest.mark.parametrize("case", BIG_CASES)
