@@ -446,3 +446,24 @@ def test_a_failed_acquire_leaves_no_refresher_and_no_lock(root, monkeypatch):
   monkeypatch.setenv(destination.LEASE_ENV, str(LEASE))
   with destination.lock(root) as holder:  # this process can take it again
     assert holder["pid"] == os.getpid()
+
+
+def test_a_retried_create_that_had_landed_takes_the_lock(root, monkeypatch):
+  """The store created the lock, the reply was lost, the client retried.
+
+  The retry is refused (the object exists): by this process' own lock,
+  which must count as taken, not as "another migration is writing here".
+  """
+  create = storage.create_exclusive
+
+  def landed_then_refused(path, data):
+    create(path, data)
+    raise FileExistsError(path)
+
+  monkeypatch.setattr(storage, "create_exclusive", landed_then_refused)
+  with destination.lock(root) as holder:
+    monkeypatch.undo()
+    monkeypatch.setenv(destination.LEASE_ENV, str(LEASE))
+    assert _read_lock(root)["token"] == holder["token"]
+    destination.ensure_held(root)
+  assert not storage.exists(_lock_path(root))  # released: it was ours

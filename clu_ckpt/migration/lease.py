@@ -262,12 +262,19 @@ class Lease:
         self._ok = started
         return
       except FileExistsError:
-        pass
+        # A client that retries a create whose first attempt landed (the
+        # reply lost) is refused by its own object: that lock is ours.
+        if self._is_ours(_read_or_none(self.path)):
+          self._ok = started
+          return
       stale = self._stale_instance()
       if stale is not None and self._take_over(stale):
         return
     # The lock kept appearing and vanishing under us: somebody is busy.
     raise self._locked(_parse_holder(_read_or_none(self.path)))
+
+  def _is_ours(self, data: Optional[bytes]) -> bool:
+    return _parse_holder(data).get("token") == self.record["token"]
 
   def _stale_instance(self) -> Optional[bytes]:
     """The lock's bytes if it is stale; None if it vanished; else raises."""
