@@ -22,7 +22,14 @@ migrates it several times, each in a fresh process, with each method:
   zstd / no compression (all items: state, dataset, metadata). A suffix
   `@N` passes `inflight_bytes=N MiB`; a suffix `%LABEL` runs the child with
   `PYTHONPATH=<path of --tree LABEL=path>`, so that `clu_ckpt` is imported
-  from that tree (the child reports the `clu_ckpt.__file__` it used).
+  from that tree (the child reports the `clu_ckpt.__file__` it used);
+- `tensorstore_none` / `tensorstore_zstd` (a floor, not a migration): every
+  array of the state written by TensorStore alone, as Orbax lays arrays out
+  (zarr v2, one chunk per array, zstd level 1 or none, in one OCDBT store on
+  the local file driver with TensorStore's default, synced writes), straight
+  from `flax_format.load_file`'s memory map, 128 MiB in flight (the
+  migration's default window). No Orbax, no metadata, no iterator: what any
+  writer built on TensorStore's write path can at best do on this disk.
 
 Each round runs, in this order and each in a fresh process: the disk
 measurement (`dd`), then every method once. Before every migration the
@@ -66,7 +73,8 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", "/tmp/clu_ckpt_bench", "Where source and outputs are written.")
 _METHODS = flags.DEFINE_list(
     "methods", ["naive", "clu_ckpt_zstd", "clu_ckpt_none"],
-    "Methods to run: naive, clu_ckpt_zstd, clu_ckpt_none; clu_ckpt_* take "
+    "Methods to run: naive, clu_ckpt_zstd, clu_ckpt_none, tensorstore_zstd, "
+    "tensorstore_none (a floor); clu_ckpt_* take "
     "the suffixes @<inflight MiB> and %<tree label>.")
 _TREES = flags.DEFINE_multi_string(
     "tree", [], "LABEL=PATH: methods ending in %LABEL import clu_ckpt from "
@@ -217,8 +225,11 @@ def _parse_method(spec: str) -> tuple[str, str | None, str | None]:
   """`base[@MiB][%tree]` -> (base, inflight MiB or None, tree or None)."""
   base, _, tree = spec.partition("%")
   base, _, inflight = base.partition("@")
-  if base not in ("naive", "clu_ckpt_zstd", "clu_ckpt_none"):
+  if base not in ("naive", "clu_ckpt_zstd", "clu_ckpt_none",
+                  "tensorstore_zstd", "tensorstore_none"):
     raise ValueError(f"unknown method {spec!r}")
+  if base.startswith("tensorstore_") and inflight:
+    raise ValueError(f"{base} takes no @ suffix: {spec!r}")
   if base == "naive" and (inflight or tree):
     raise ValueError(f"naive takes no suffix: {spec!r}")
   return base, inflight or None, tree or None
@@ -249,6 +260,18 @@ def _child(method: str, source: str, dest: str) -> dict:
         mngr.wait_until_finished()
       seconds = time.perf_counter() - start
     module = None
+  elif base.startswith("tensorstore_"):
+    import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
+    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    import clu_ckpt  # pylint: disable=g-import-not-at-top
+    module = clu_ckpt.__file__
+    baseline = _rss_anon()
+    cpu = _cpu_seconds()
+    with _PeakSampler() as sampler:
+      start = time.perf_counter()
+      _tensorstore_floor(source, dest, base.rsplit("_", 1)[1])
+      seconds = time.perf_counter() - start
+      read = 0.0
   else:
     import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
     import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
@@ -273,6 +296,38 @@ def _child(method: str, source: str, dest: str) -> dict:
           "cpu_seconds": _cpu_seconds() - cpu, "baseline": baseline,
           "peak_above_baseline": sampler.peak - baseline,
           "clu_ckpt_file": module}
+
+
+def _tensorstore_floor(source: str, dest: str, compression: str) -> None:
+  """Writes the state's arrays with TensorStore alone (see the module doc)."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+
+  def arrays(tree):
+    if isinstance(tree, dict):
+      for value in tree.values():
+        yield from arrays(value)
+    elif getattr(tree, "ndim", 0) >= 1:
+      yield tree
+
+  compressor = {"id": "zstd", "level": 1} if compression == "zstd" else None
+  kvstore = {"driver": "ocdbt", "base": f"file://{dest}/state"}
+  context = ts.Context({})
+  pending, inflight = [], 0
+  for i, value in enumerate(arrays(flax_format.load_file(_flax_file(source)))):
+    store = ts.open(
+        {"driver": "zarr", "kvstore": dict(kvstore, path=f"a{i}/"),
+         "metadata": {"compressor": compressor, "chunks": list(value.shape)}},
+        create=True, dtype=ts.dtype(value.dtype.name), shape=value.shape,
+        context=context).result()
+    pending.append((store.write(value), value.nbytes))
+    inflight += value.nbytes
+    while inflight > 128 * 2**20 and len(pending) > 1:
+      future, nbytes = pending.pop(0)
+      future.result()
+      inflight -= nbytes
+  for future, _ in pending:
+    future.result()
 
 
 def _dd(*operands: str) -> tuple[int, float]:
