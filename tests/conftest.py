@@ -35,7 +35,6 @@ pass the same way). `--thorough` and `--soak` add them; `-m thorough` or
 marked for one store). Both are run before a release (README.md, "Tests").
 """
 
-import ctypes
 import json
 import os
 import pathlib
@@ -111,31 +110,6 @@ def pytest_collection_modifyitems(config: pytest.Config,
       item.add_marker(pytest.mark.skip(reason=SOAK_REASON))
     elif not thorough and is_thorough(item):
       item.add_marker(pytest.mark.skip(reason=THOROUGH_REASON))
-
-
-def _glibc() -> Any:
-  try:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc_trim  # pylint: disable=pointless-statement
-    return libc
-  except (OSError, AttributeError):  # not glibc: nothing to trim
-    return None
-
-
-_LIBC = _glibc()
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> None:
-  """Hands the heap a test freed back to the system.
-
-  glibc keeps freed memory in its arenas (one per thread that allocated:
-  TensorFlow's, TensorStore's), so without this the run's resident memory
-  only grows, test after test, to the sum of the tests' peaks.
-  """
-  del item
-  if _LIBC is not None:
-    _LIBC.malloc_trim(0)
 
 
 def golden_case(name: str) -> pathlib.Path:
