@@ -583,24 +583,46 @@ MIGRATION_KILL_POINTS = [
 ]
 
 
-def same_tree(a: Any, b: Any, path: str = "") -> Optional[str]:
-  """None if `a` and `b` are the same state dict bit for bit, else where not."""
+def same_tree(a: Any, b: Any, path: str = "", *,
+              strict: bool = False) -> Optional[str]:
+  """None if `a` and `b` are the same state dict bit for bit, else where not.
+
+  With `strict`, also the types (of dicts, numpy values and scalars), the key
+  order, and floats by their bits (what `msgpack_restore` returns exactly).
+  """
   if isinstance(a, dict) or isinstance(b, dict):
-    if not (isinstance(a, dict) and isinstance(b, dict)) or set(a) != set(b):
-      return path or "/"
+    if strict:
+      differ = type(a) is not type(b) or list(a) != list(b)
+    else:
+      differ = not (isinstance(a, dict) and isinstance(b, dict)) or (
+          set(a) != set(b))
+    if differ:
+      return f"{path or '/'} (keys {_keys(a)} vs {_keys(b)})"
     for key in a:
-      where = same_tree(a[key], b[key], f"{path}/{key}")
+      where = same_tree(a[key], b[key], f"{path}/{key}", strict=strict)
       if where:
         return where
     return None
   if isinstance(a, (np.ndarray, np.generic)) or isinstance(
       b, (np.ndarray, np.generic)):
+    if strict and type(a) is not type(b):
+      return f"{path} ({type(a).__name__} vs {type(b).__name__})"
     x, y = np.asarray(a), np.asarray(b)
-    same = (x.dtype == y.dtype and x.shape == y.shape and
-            np.ascontiguousarray(x).tobytes() ==
-            np.ascontiguousarray(y).tobytes())
-    return None if same else path
-  return None if (type(a) is type(b) and a == b) else path
+    if x.dtype != y.dtype or x.shape != y.shape:
+      return f"{path} ({x.dtype}{x.shape} vs {y.dtype}{y.shape})"
+    if (np.ascontiguousarray(x).tobytes() !=
+        np.ascontiguousarray(y).tobytes()):
+      return f"{path} (bytes differ)"
+    return None
+  if strict and isinstance(a, float) and isinstance(b, float):
+    same_bits = np.float64(a).tobytes() == np.float64(b).tobytes()
+    return None if same_bits else f"{path} ({a!r} vs {b!r})"
+  return None if (type(a) is type(b) and a == b) else (
+      f"{path} ({a!r} vs {b!r})")
+
+
+def _keys(value: Any) -> Any:
+  return list(value)[:8] if isinstance(value, dict) else type(value).__name__
 
 
 def check_orbax_destination(src: str, dst: str) -> dict[str, Any]:

@@ -48,9 +48,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -69,34 +68,6 @@ LOCK_NAME = ".clu_ckpt.lock"
 
 class SoakFailure(AssertionError):
   """A promise was broken; the message says which."""
-
-
-def same(a: Any, b: Any, path: str = "") -> Optional[str]:
-  """None if `a` and `b` are equal bit for bit, types and key order too."""
-  if isinstance(a, dict) or isinstance(b, dict):
-    if type(a) is not type(b) or list(a) != list(b):
-      return f"{path or '/'} (keys {list(a)[:8]} vs {list(b)[:8]})"
-    for key in a:
-      where = same(a[key], b[key], f"{path}/{key}")
-      if where:
-        return where
-    return None
-  if isinstance(a, (np.ndarray, np.generic)) or isinstance(
-      b, (np.ndarray, np.generic)):
-    if type(a) is not type(b):
-      return f"{path} ({type(a).__name__} vs {type(b).__name__})"
-    x, y = np.asarray(a), np.asarray(b)
-    if x.dtype != y.dtype or x.shape != y.shape:
-      return f"{path} ({x.dtype}{x.shape} vs {y.dtype}{y.shape})"
-    if (np.ascontiguousarray(x).tobytes() !=
-        np.ascontiguousarray(y).tobytes()):
-      return f"{path} (bytes differ)"
-    return None
-  if isinstance(a, float) and isinstance(b, float):
-    same_bits = np.float64(a).tobytes() == np.float64(b).tobytes()
-    return None if same_bits else f"{path} ({a!r} vs {b!r})"
-  return None if (type(a) is type(b) and a == b) else (
-      f"{path} ({a!r} vs {b!r})")
 
 
 class Soak:
@@ -203,7 +174,7 @@ class Soak:
         except Exception as e:  # pylint: disable=broad-except
           raise SoakFailure(f"{dst}: listed step {step} does not restore: "
                             f"{type(e).__name__}: {e}") from e
-        where = same(restored, self.expected[step])
+        where = _harness.same_tree(restored, self.expected[step], strict=True)
         if where is not None:
           raise SoakFailure(f"{dst}: step {step} differs from ckpt-{step} "
                             f"at {where}")
