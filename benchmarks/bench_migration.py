@@ -303,7 +303,8 @@ def _tensorstore_floor(source: str, dest: str, compression: str) -> None:
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
 
-  def arrays(tree):
+  def arrays(tree):  # in file order: tree_leaves would sort keys, and so
+    # read the map out of order
     if isinstance(tree, dict):
       for value in tree.values():
         yield from arrays(value)
