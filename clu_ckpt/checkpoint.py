@@ -82,40 +82,57 @@ host_directories = layout.host_directories
 
 def load_state_dict(base_directory: str, *,
                     subtree: Union[None, str, Sequence[str]] = None,
-                    checkpoint: Optional[str] = None) -> Dict[str, Any]:
+                    checkpoint: Union[None, str, int] = None,
+                    step: Optional[int] = None,
+                    prefix: Optional[str] = None) -> Dict[str, Any]:
   """Returns the state of the latest checkpoint in `base_directory` as a dict.
 
-  Works without TensorFlow and without JAX. Lists in the saved state come back
-  as dicts keyed "0", "1", ..., exactly as in Flax state dicts. Arrays are
-  read-only numpy views of the memory-mapped file.
+  Works without TensorFlow and without JAX, for every layout: a CLU
+  `Checkpoint` directory or `MultihostCheckpoint` base, the Orbax root
+  `clu-ckpt migrate` made of one (the same dict as before the migration),
+  `flax.training.checkpoints` files (`checkpoint_<step>`), or a single file.
+  Lists in the saved state come back as dicts keyed "0", "1", ..., exactly
+  as in Flax state dicts. See `clu_ckpt.reader.load_state_dict`, which this
+  calls.
 
   Example::
 
     state_dict = load_state_dict("/work/ckpts")
     params = load_state_dict("/work/ckpts", subtree="params")
     state_dict = load_state_dict("/work/checkpoints")  # a multihost base
+    state_dict = load_state_dict("/work/orbax")        # after migration
+    state_dict = load_state_dict("/work/orbax", step=500)
+    state_dict = load_state_dict("/work/flax_run")     # checkpoint_<step>
 
   Args:
-    base_directory: Directory with the checkpoints (see `Checkpoint`), or a
-      `MultihostCheckpoint` base: then the newest number every host has is
-      read from host 0's directory, and logged (`layout.multihost_latest`).
+    base_directory: Directory with the checkpoints (see `Checkpoint`), a
+      `MultihostCheckpoint` base (then the newest number every host has is
+      read from host 0's directory, and logged), a migrated Orbax root, a
+      directory of Flax's `checkpoint_<step>` files, or a file.
     subtree: Only return this subtree ("params" or "params/Dense_0", or a
-      sequence of keys); the rest of the file is not decoded.
+      sequence of keys); the rest is not decoded (not read, for a migrated
+      root).
     checkpoint: A checkpoint path (`<base_directory>/ckpt-N`, or
-      `<base>-<host>/ckpt-N`) instead of the latest, read as given.
+      `<base>-<host>/ckpt-N`) instead of the latest, read as given; for a
+      migrated root also the CLU name ("ckpt-5") or a step; for Flax's
+      layout `checkpoint_<step>`.
+    step: A step of a migrated root or of Flax's layout.
+    prefix: The prefix of Flax's files (default "checkpoint_").
 
   Returns:
     The deserialized state (or subtree) as a dictionary.
 
   Raises:
-    FileNotFoundError: No checkpoint to restore (or none common to all hosts).
+    FileNotFoundError: No checkpoint to restore (or none common to all
+      hosts); the message names the layouts looked for, or the absolute
+      path of a `checkpoint` that does not exist.
     flax_format.FlaxFormatError: The `.flax` file is corrupt, or has no such
-      subtree.
+      subtree (the message lists the keys there are).
   """
-  ckpt = Checkpoint(base_directory)
-  path = checkpoint or layout.multihost_latest(base_directory, "ckpt")
-  return ckpt._read_flax(  # pylint: disable=protected-access
-      ckpt._checkpoint_or_latest(path), path, subtree)
+  from clu_ckpt import reader  # pylint: disable=g-import-not-at-top
+  return reader.load_state_dict(base_directory, subtree=subtree,
+                                checkpoint=checkpoint, step=step,
+                                prefix=prefix)
 
 
 class CheckpointInfo(

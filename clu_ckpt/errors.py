@@ -49,6 +49,11 @@ class FlaxFormatError(CluCkptError, ValueError):
     return type(self), (message, self.path, self.offset)
 
 
+class SubtreeNotFoundError(FlaxFormatError):
+  """A `subtree=` names a key that is not there; the message lists the keys
+  available at the level where the path stops."""
+
+
 class NotRegularFileError(CluCkptError, OSError):
   """A named pipe, device, socket or directory where a file is expected.
 

@@ -417,8 +417,13 @@ class FlaxFile:
         raise FlaxFormatError(f"no subtree {'/'.join(wanted)!r}: {where} is "
                               "not a map", self.path, 0)
       if key not in node:
-        raise FlaxFormatError(f"no subtree {'/'.join(wanted)!r}: {where} has "
-                              f"no key {key!r}", self.path, 0)
+        keys = [k for k in node if isinstance(k, str)]
+        shown = ", ".join(repr(k) for k in keys[:20]) or "none"
+        if len(node) > 20:
+          shown += f" ({len(node)} keys in all)"
+        raise errors.SubtreeNotFoundError(
+            f"no subtree {'/'.join(wanted)!r}: {where} has no key {key!r}; "
+            f"its keys: {shown}", self.path, 0)
       node = node[key]
     return node
 

@@ -44,6 +44,8 @@ _EXT_NDARRAY = 1
 _EXT_COMPLEX = 2
 _EXT_NPSCALAR = 3
 _CHUNKED_KEY = "__msgpack_chunked_array__"
+# How many of a map's keys a "no subtree" message names.
+_KEYS_SHOWN = 20
 
 FlaxFormatError = errors.FlaxFormatError
 
@@ -460,16 +462,25 @@ class _Parser:
         raise self.error(f"no subtree {'/'.join(keys)!r}: {where} is not a "
                          "map", offset)
       self._check_count(n, 2)
+      seen = []  # the first keys, for the message when `key` is not there
       for _ in range(n):
         mark = self._left
-        match = self._key(depth) == key
+        found_key = self._key(depth)
+        match = found_key == key
         self._left = mark  # the key is dropped
         if match:
           break
+        if len(seen) < _KEYS_SHOWN and isinstance(found_key, str) and len(
+            found_key) <= 200:
+          seen.append(found_key)
         self._skip(depth + 1)
       else:
-        raise self.error(f"no subtree {'/'.join(keys)!r}: {where} has no key "
-                         f"{key!r}", offset)
+        shown = ", ".join(repr(k) for k in seen) or "none"
+        if n > len(seen):
+          shown += f" ({n} keys in all)"
+        raise errors.SubtreeNotFoundError(
+            f"no subtree {'/'.join(keys)!r}: {where} has no key {key!r}; "
+            f"its keys: {shown}", self._name, offset)
       if depth == len(keys) - 1:
         found = self._value(depth + 1)
     return found

@@ -1,0 +1,331 @@
+"""One reader for every checkpoint layout of the Flax world, and which it is.
+
+`load_state_dict(path)` gives the Flax state dict of the newest checkpoint
+at `path`, whatever layout holds it, without TensorFlow (and without JAX or
+Orbax): the same dict before and after `clu-ckpt migrate`. `detect_layout`
+says which layout a directory holds; it is the one discovery function the
+tools (inspect, verify, migrate, a fleet's discovery) ask.
+
+The layouts, in the order they are looked for (`LAYOUTS`):
+
+- `"orbax_migrated"`: an Orbax CheckpointManager root written by
+  `clu-ckpt migrate` (read by `clu_ckpt.orbax_read`, TensorStore only);
+- `"orbax"`: another Orbax root (not read here: use `orbax.checkpoint`);
+- `"clu"`: a CLU `Checkpoint` directory (`ckpt-N.flax` + TensorFlow's files);
+- `"clu_multihost"`: a `MultihostCheckpoint` base (`<base>-<host>/`);
+- `"flax_training"`: `flax.training.checkpoints` files `<prefix><step>`
+  (`clu_ckpt.flax_training`).
+
+A single `.flax` (or Flax `checkpoint_<step>`) file is read as it is.
+
+Synopsis::
+
+  from clu_ckpt import reader
+
+  reader.detect_layout("/runs/a/orbax")               # "orbax_migrated"
+  state = reader.load_state_dict("/runs/a/orbax")     # the newest step
+  state = reader.load_state_dict("/runs/a/checkpoints")   # the same dict
+  params = reader.load_state_dict("/runs/a/orbax", subtree="params",
+                                  step=500)
+  state = reader.load_state_dict("/runs/flax_run")    # checkpoint_<step>
+  state = reader.load_state_dict("/runs/b", prefix="model_")
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence, Union
+
+from absl import logging
+
+from clu_ckpt import errors
+from clu_ckpt import flax_format
+from clu_ckpt import flax_training
+from clu_ckpt import layout
+from clu_ckpt import orbax_read
+from clu_ckpt import orbax_root
+from clu_ckpt import storage
+
+ORBAX_MIGRATED = "orbax_migrated"
+ORBAX = "orbax"
+CLU = "clu"
+CLU_MULTIHOST = "clu_multihost"
+FLAX_TRAINING = "flax_training"
+LAYOUTS = (ORBAX_MIGRATED, ORBAX, CLU, CLU_MULTIHOST, FLAX_TRAINING)
+# What a message says was looked for.
+DESCRIPTIONS = {
+    ORBAX_MIGRATED: "an Orbax root migrated by clu-ckpt",
+    ORBAX: "an Orbax CheckpointManager root",
+    CLU: "a CLU Checkpoint directory (ckpt-N.flax, `checkpoint`)",
+    CLU_MULTIHOST: "a CLU MultihostCheckpoint base (<path>-<host>/)",
+    FLAX_TRAINING: "flax.training.checkpoints files (<prefix><step>)",
+}
+
+Subtree = Union[None, str, Sequence[str]]
+
+
+def looked_for(prefix: Optional[str] = None) -> str:
+  """The layouts looked for, as a message says them."""
+  names = [DESCRIPTIONS[n] for n in LAYOUTS]
+  if prefix is not None:
+    names[-1] = f"flax.training.checkpoints files {prefix}<step>"
+  return "; ".join(names)
+
+
+def detect_layouts(path: str, prefix: Optional[str] = None) -> list[str]:
+  """Every layout `path` holds, in the order of `LAYOUTS`.
+
+  Args:
+    path: A directory (local path, `file://` or another URL).
+    prefix: The Flax files' prefix; None: "checkpoint_", or the one prefix
+      the directory's Flax files share (`flax_training.find_prefix`).
+
+  Returns:
+    Layout names; empty when none is there.
+  """
+  found = []
+  is_dir = storage.isdir(path)
+  if is_dir and orbax_root.is_orbax_root(path):
+    found.append(ORBAX_MIGRATED if _migrated(path) else ORBAX)
+  if is_dir and layout.is_checkpoint_directory(path):
+    found.append(CLU)
+  if any(layout.is_checkpoint_directory(d)
+         for d in layout.host_directories(path).values()):
+    found.append(CLU_MULTIHOST)
+  if is_dir and flax_prefix(path, prefix) is not None:
+    found.append(FLAX_TRAINING)
+  return found
+
+
+def detect_layout(path: str, prefix: Optional[str] = None) -> Optional[str]:
+  """Which checkpoint layout a directory holds (the first of `LAYOUTS`).
+
+  Example::
+
+    detect_layout("/runs/a/checkpoints")   # "clu_multihost"
+    detect_layout("/runs/a/orbax")         # "orbax_migrated"
+    detect_layout("/runs/empty")           # None
+
+  Args:
+    path: A directory (or a `MultihostCheckpoint` base, which need not
+      exist itself).
+    prefix: See `detect_layouts`.
+
+  Returns:
+    "orbax_migrated", "orbax", "clu", "clu_multihost", "flax_training", or
+    None when it holds no checkpoint of a known layout.
+  """
+  found = detect_layouts(path, prefix)
+  return found[0] if found else None
+
+
+def flax_prefix(path: str, prefix: Optional[str] = None) -> Optional[str]:
+  """The prefix of `path`'s Flax checkpoint files, or None if it has none."""
+  if prefix is not None:
+    return prefix if flax_training.list_steps(path, prefix) else None
+  return flax_training.find_prefix(path)
+
+
+def _migrated(root: str) -> bool:
+  steps, _ = orbax_root.list_steps(root)
+  return bool(steps) and orbax_read.migration_metadata(
+      storage.join(root, str(steps[-1]))) is not None
+
+
+def load_state_dict(path: str, *, subtree: Subtree = None,
+                    checkpoint: Union[None, str, int] = None,
+                    step: Optional[int] = None,
+                    prefix: Optional[str] = None,
+                    layout_name: Optional[str] = None) -> Any:
+  """The state dict of the newest (or a given) checkpoint at `path`.
+
+  Whatever the layout (see the module docstring), the result is what
+  `clu.checkpoint.load_state_dict` gave for the CLU run it came from, or
+  `flax.training.checkpoints.restore_checkpoint(path, None)` for Flax's
+  files: dicts in the saved key order, lists as dicts keyed "0", "1", ...,
+  numpy arrays, Python scalars and strings. The layout read is logged, and
+  a warning says which was chosen when `path` holds several.
+
+  Args:
+    path: A directory of any layout, a `MultihostCheckpoint` base, or a
+      single `.flax` / Flax checkpoint file.
+    subtree: Only this subtree ("params/Dense_0" or a sequence of keys);
+      only its arrays are read.
+    checkpoint: A CLU checkpoint prefix (`<dir>/ckpt-N`, read as given, as
+      clu does: a relative one against the current directory), a file, an
+      Orbax step directory; for a migrated root also the CLU name it was
+      migrated from ("ckpt-5") or a step; for Flax's layout
+      `<prefix><step>`.
+    step: A step of an Orbax root or of Flax's layout.
+    prefix: The prefix of Flax's files (default "checkpoint_", or the one
+      the directory's files share).
+    layout_name: Read this layout when `path` holds several.
+
+  Returns:
+    The state dict, or the subtree.
+
+  Raises:
+    CheckpointNotFoundError: Nothing to read (the message names the
+      layouts looked for, or the absolute path tried).
+    FlaxFormatError: A file is damaged; `SubtreeNotFoundError` (one) when
+      there is no such subtree (the message lists the keys there are).
+    UsageError: `step` for a CLU directory, or a `layout_name` not found.
+  """
+  if not path:
+    raise errors.UsageError("load_state_dict: an empty path")
+  if storage.exists(path) and not storage.isdir(path):
+    logging.info("load_state_dict: reading the file %s", path)
+    return flax_format.load_file(path, subtree=subtree)
+  found = detect_layouts(path, prefix)
+  if layout_name is not None:
+    if layout_name not in found:
+      raise errors.UsageError(
+          f"{path}: no {layout_name} layout here (found: "
+          f"{', '.join(found) or 'none'})")
+    chosen = layout_name
+  else:
+    chosen = found[0] if found else None
+  if chosen is not None and len(found) > 1 and layout_name is None:
+    logging.warning(
+        "%s holds several checkpoint layouts (%s): reading the %s; pass "
+        "layout_name= to read another", path, ", ".join(found), chosen)
+  elif chosen is not None:
+    logging.info("load_state_dict: reading %s as layout %r", path, chosen)
+  if checkpoint is not None and step is not None:
+    raise errors.UsageError("load_state_dict: give checkpoint= or step=, "
+                            "not both")
+  if chosen in (ORBAX_MIGRATED, ORBAX):
+    return _read_orbax(path, chosen, subtree, checkpoint, step)
+  if chosen == FLAX_TRAINING:
+    return _read_flax_training(path, flax_prefix(path, prefix), subtree,
+                               checkpoint, step)
+  if step is not None:
+    raise errors.UsageError(
+        f"{path}: step={step}: the checkpoints of a CLU directory are chosen "
+        "by checkpoint='<directory>/ckpt-<number>'")
+  if checkpoint is None and chosen is None:
+    raise errors.CheckpointNotFoundError(
+        f"No checkpoint found at {path} (looked for {looked_for(prefix)})")
+  return _read_clu(path, subtree, checkpoint)
+
+
+# --------------------------------------------------------------------------
+# CLU.
+# --------------------------------------------------------------------------
+
+
+def _read_clu(path: str, subtree: Subtree, checkpoint: Any) -> Any:
+  """As clu's `load_state_dict`: the latest (every host's newest common
+  one for a multihost base), or `checkpoint` read as given."""
+  from clu_ckpt import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  if checkpoint is not None:
+    checkpoint = str(checkpoint)
+    if not storage.exists(f"{checkpoint}.flax"):
+      if storage.exists(checkpoint) and not storage.isdir(checkpoint):
+        return flax_format.load_file(checkpoint, subtree=subtree)
+      raise errors.CheckpointNotFoundError(
+          _not_found(checkpoint, f"{checkpoint}.flax", path))
+  ckpt = ckpt_lib.Checkpoint(path)
+  latest = checkpoint or layout.multihost_latest(path, "ckpt")
+  return ckpt._read_flax(  # pylint: disable=protected-access
+      ckpt._checkpoint_or_latest(latest), latest, subtree)  # pylint: disable=protected-access
+
+
+def _not_found(requested: str, tried: str, base: str) -> str:
+  """A message for a `checkpoint=` that is not there: the absolute path
+  tried and, for a relative one, that it was read from the current
+  directory (and where it is, if it is in `base`)."""
+  scheme, _ = layout.split_scheme(tried)
+  absolute = tried if scheme else os.path.abspath(tried)
+  text = f"Checkpoint {requested} does not exist: tried {absolute}"
+  if not scheme and not os.path.isabs(requested):
+    text += (f" (a relative checkpoint= is read from the current directory, "
+             f"{os.getcwd()})")
+    candidate = storage.join(layout.absolute(base), requested)
+    if storage.exists(f"{candidate}.flax") or storage.exists(candidate):
+      text += f"; did you mean checkpoint={candidate!r}?"
+  return text
+
+
+# --------------------------------------------------------------------------
+# Orbax roots.
+# --------------------------------------------------------------------------
+
+
+def _read_orbax(root: str, kind: str, subtree: Subtree, checkpoint: Any,
+                step: Optional[int]) -> Any:
+  steps, _ = orbax_root.list_steps(root)
+  if checkpoint is not None:
+    step_dir = _orbax_step_of(root, steps, checkpoint)
+  else:
+    if step is None:
+      step = steps[-1] if steps else None
+    if step not in steps:
+      raise errors.CheckpointNotFoundError(
+          f"{root}: no step {step} (steps: {steps})" if step is not None
+          else f"No checkpoint found at {root}: an Orbax root with no "
+          "finished step")
+    step_dir = storage.join(root, str(step))
+  if kind == ORBAX:
+    raise errors.CheckpointNotFoundError(
+        f"{step_dir}: an Orbax step not written by clu-ckpt migrate; "
+        "restore it with orbax.checkpoint.CheckpointManager")
+  logging.info("load_state_dict: reading step %s of %s", step_dir, root)
+  return orbax_read.read_state(step_dir, subtree)
+
+
+def _orbax_step_of(root: str, steps: list[int], checkpoint: Any) -> str:
+  """The step directory `checkpoint=` names in a migrated root.
+
+  A step (int or digits), a step directory, or the CLU checkpoint a step
+  was migrated from (`ckpt-5`, or a path ending in it).
+  """
+  text = str(checkpoint)
+  if isinstance(checkpoint, int) or text.isdecimal():
+    if int(text) in steps:
+      return storage.join(root, str(int(text)))
+  elif storage.isdir(text) and orbax_read.migration_metadata(text):
+    return text
+  else:
+    name = text.rstrip("/").rsplit("/", 1)[-1]
+    for s in reversed(steps):
+      meta = orbax_read.migration_metadata(storage.join(root, str(s)))
+      if meta and meta.get("clu_checkpoint") == name:
+        logging.info("load_state_dict: %s was migrated to step %d of %s",
+                     name, s, root)
+        return storage.join(root, str(s))
+  raise errors.CheckpointNotFoundError(
+      f"{root}: no step for checkpoint={checkpoint!r} (steps: {steps}; a "
+      "step, a step directory or the CLU checkpoint name a step was "
+      "migrated from, e.g. 'ckpt-5')")
+
+
+# --------------------------------------------------------------------------
+# flax.training.checkpoints.
+# --------------------------------------------------------------------------
+
+
+def _read_flax_training(directory: str, prefix: str, subtree: Subtree,
+                        checkpoint: Any, step: Optional[int]) -> Any:
+  steps = flax_training.list_steps(directory, prefix)
+  if checkpoint is not None:
+    text = str(checkpoint)
+    number = flax_training.split_name(text, prefix)
+    if isinstance(checkpoint, int) or text.isdecimal():
+      step = int(text)
+    elif storage.exists(text) and not storage.isdir(text):
+      return flax_format.load_file(text, subtree=subtree)
+    elif number is not None and number in steps:
+      step = number
+    else:
+      raise errors.CheckpointNotFoundError(
+          _not_found(text, text, directory) + f" (steps in {directory}: "
+          f"{list(steps)})")
+  if step is None:
+    step = max(steps)
+  if step not in steps:
+    raise errors.CheckpointNotFoundError(
+        f"{directory}: no {prefix}{step} (steps: {list(steps)})")
+  logging.info("load_state_dict: reading %s (flax.training.checkpoints)",
+               steps[step])
+  return flax_format.load_file(steps[step], subtree=subtree)
