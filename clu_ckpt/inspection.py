@@ -33,15 +33,22 @@ from __future__ import annotations
 
 import collections
 import datetime
+import math
 import os
 import re
 from typing import Any, Callable, Optional
 
 from clu_ckpt import flax_format
+from clu_ckpt import flax_summary
+from clu_ckpt import flax_training
 from clu_ckpt import errors
 from clu_ckpt import layout
 from clu_ckpt import orbax_root
+from clu_ckpt import reader
 from clu_ckpt import storage
+
+# How many leaves `inspect` lists (all are counted, per top-level key).
+LEAVES_SHOWN = 1000
 
 
 
@@ -111,9 +118,12 @@ def list_checkpoints(directory: str,
     One dict per `<name>-<number>.flax`, sorted by name and number: `name`,
     `number`, `prefix` (path without extension), `committed` (listed in TF's
     `checkpoint` file with its `.index` present), `latest`, `flax_bytes`,
-    `tf_bytes`, `mtime` (ISO 8601, UTC), `tf_files` and `readable`.
+    `tf_bytes`, `mtime` (ISO 8601, UTC), `saved` (the save time TensorFlow
+    recorded in its `checkpoint` file, ISO 8601, or None), `tf_files` and
+    `readable`.
   """
   problems = [] if problems is None else problems
+  recorded = _recorded_times(directory)
   state = read_state(directory, problems)
   committed = set(state.all_model_checkpoint_paths) if state else set()
   if state and state.model_checkpoint_path:
@@ -137,12 +147,29 @@ def list_checkpoints(directory: str,
       size, mtime = storage.stat(storage.join(directory, name))
       tf_bytes = sum(storage.stat(storage.join(directory, f))[0]
                      for f in tf_files)
+    saved = recorded.get(layout.normpath(prefix))
     out.append(dict(readable=readable,
         name=m.group("name"), number=int(m.group("number")), prefix=prefix,
         committed=prefix in committed and f"{stem}.index" in tf_files,
         latest=prefix == latest, flax_bytes=size, tf_bytes=tf_bytes,
-        mtime=_iso(mtime), tf_files=tf_files))
+        mtime=_iso(mtime), saved=None if saved is None else _iso(saved),
+        tf_files=tf_files))
   return sorted(out, key=lambda c: (c["name"], c["number"]))
+
+
+def _recorded_times(directory: str) -> dict[str, float]:
+  """Checkpoint path -> the save time TensorFlow's `checkpoint` file records
+  for it (`all_model_checkpoint_timestamps`, paired with the paths by
+  position; the time a migration gives its step, too)."""
+  try:
+    state = layout.read_checkpoint_state(directory, strict=True)
+  except (OSError, ValueError):
+    return {}
+  if state is None:
+    return {}
+  return {layout.normpath(p): float(t) for p, t in zip(
+      state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps)
+          if math.isfinite(t) and t >= 0}
 
 
 def _iso(t: float) -> str:
@@ -173,7 +200,7 @@ def _damage(flax_path: str) -> Optional[str]:
   first character as a small integer and complain about what follows).
   """
   try:
-    flax_format.inspect_file(flax_path)
+    flax_summary.summarize_file(flax_path, sample=0)
     return None
   except flax_format.FlaxFormatError as e:
     error = e
@@ -217,56 +244,73 @@ def _text_start(path: str) -> Optional[str]:
 # --------------------------------------------------------------------------
 
 
-def tree_summary(flax_path: str) -> dict[str, Any]:
+def tree_summary(flax_path: str, limit: int = LEAVES_SHOWN) -> dict[str, Any]:
   """The leaves of a `.flax` file (headers only) with per-subtree totals.
+
+  Every leaf is counted, but only the first `limit` are listed: a file of
+  millions of leaves is summarised in the time and memory `load_file` would
+  take (`flax_summary`), not listed leaf by leaf.
 
   Args:
     flax_path: The file.
+    limit: How many leaves to list.
 
   Returns:
-    `leaves` (path, kind, dtype, shape, bytes), `subtrees` (top-level key ->
-    leaves, bytes) and `total_bytes`.
+    `leaves` (the first `limit`: path, kind, dtype, shape, bytes),
+    `leaf_count` (all of them), `subtrees` (top-level key -> leaves, bytes;
+    the first `flax_summary.MAX_SUBTREES` keys, the others in
+    `more_subtrees`) and `total_bytes`.
 
   Raises:
     flax_format.FlaxFormatError: The headers are corrupt.
   """
-  leaves = flax_format.inspect_file(flax_path)
-  subtrees: dict[str, dict[str, int]] = collections.OrderedDict()
-  for leaf in leaves:
-    top = leaf.path.split("/")[1] if leaf.path.count("/") >= 1 else ""
-    entry = subtrees.setdefault(top, {"leaves": 0, "bytes": 0})
-    entry["leaves"] += 1
-    entry["bytes"] += leaf.nbytes
+  summary = flax_summary.summarize_file(flax_path, sample=limit)
+  subtrees: dict[str, dict[str, int]] = collections.OrderedDict(
+      (top, {"leaves": leaves, "bytes": nbytes})
+      for top, (leaves, nbytes) in summary.subtrees.items())
+  more = summary.more_subtrees
   return dict(
       file=flax_path,
       leaves=[dict(path=l.path, kind=l.kind, dtype=l.dtype,
                    shape=list(l.shape) if l.shape is not None else None,
-                   bytes=l.nbytes) for l in leaves],
+                   bytes=l.nbytes) for l in summary.sample],
+      leaf_count=summary.leaves,
       subtrees=subtrees,
-      total_bytes=sum(l.nbytes for l in leaves))
+      more_subtrees=({"leaves": more[0], "bytes": more[1]} if more[0]
+                     else None),
+      total_bytes=summary.nbytes)
 
 
-def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
-  """Describes a CLU directory, multihost base or `.flax` file.
+def inspect_path(path: str, checkpoint: Optional[int] = None, *,
+                 prefix: Optional[str] = None) -> dict[str, Any]:
+  """Describes a checkpoint directory of any layout, or a `.flax` file.
 
   Args:
-    path: What to describe.
-    checkpoint: For directories, the checkpoint number whose tree to show
-      (default: the latest committed one).
+    path: What to describe: a CLU directory or multihost base, an Orbax
+      root, a directory of `flax.training.checkpoints` files, or a file.
+    checkpoint: For directories, the checkpoint number (the step, for Orbax
+      roots and Flax's files) whose tree to show (default: the latest
+      committed one).
+    prefix: The prefix of Flax's files (default "checkpoint_", or the one
+      the directory's files share).
 
   Returns:
     A JSON-ready dict: `kind` ("flax_file", "checkpoint_dir",
-    "multihost"), `checkpoints` (number, step, bytes, time, hosts, committed)
-    and `tree` (see `tree_summary`) for the chosen checkpoint, and
-    `problems`: sentences naming what was refused or could not be read
-    (entries outside the directory, files that are not regular files, and
-    each committed `.flax` whose headers are damaged: also in its row's
-    `damage`). The default tree is
-    that of the latest committed checkpoint that is not damaged; a damaged
-    chosen one has no tree.
+    "multihost", "orbax_root", "flax_training"), `checkpoints` (number,
+    step, bytes, time, hosts, committed) and `tree` (see `tree_summary`)
+    for the chosen checkpoint, `layouts` (every layout found at `path`;
+    the first is described) and `problems`: sentences naming what was
+    refused or could not be read (entries outside the directory, files that
+    are not regular files, and each committed `.flax` whose headers are
+    damaged: also in its row's `damage`). The default tree is that of the
+    latest committed checkpoint that is not damaged; a damaged chosen one
+    has no tree. A row's `time` is the save time TensorFlow recorded for
+    it (`time_source` "recorded"), else its `.flax` file's modification
+    time ("mtime").
 
   Raises:
-    FileNotFoundError: Nothing checkpoint-like at `path`.
+    CheckpointNotFoundError: No checkpoint of any known layout at `path`
+      (the message names the layouts looked for).
     OSError: `path` is not a regular file or directory, or cannot be read.
     flax_format.FlaxFormatError: The chosen `.flax` is corrupt.
   """
@@ -274,8 +318,23 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
     storage.check_regular_file(path)
     return dict(kind="flax_file", path=path, tree=tree_summary(path),
                 problems=[])
-  if orbax_root.is_orbax_root(path):
-    return orbax_root.inspect_orbax_root(path, checkpoint)
+  found = reader.detect_layouts(path, prefix)
+  if not found:
+    raise errors.CheckpointNotFoundError(
+        f"No checkpoint at {path}: looked for {reader.looked_for(prefix)}")
+  if found[0] in (reader.ORBAX_MIGRATED, reader.ORBAX):
+    report = orbax_root.inspect_orbax_root(path, checkpoint)
+  elif found[0] == reader.FLAX_TRAINING:
+    report = _inspect_flax_training(path, reader.flax_prefix(path, prefix),
+                                    checkpoint)
+  else:
+    report = _inspect_clu(path, checkpoint)
+  report["layouts"] = found
+  return report
+
+
+def _inspect_clu(path: str, checkpoint: Optional[int]) -> dict[str, Any]:
+  """`inspect_path` of a CLU directory or multihost base."""
   hosts = layout.source_directories(path)
   if not hosts:
     raise errors.CheckpointNotFoundError(
@@ -286,10 +345,13 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
     for c in list_checkpoints(directory, problems):
       row = rows.setdefault((c["name"], c["number"]), dict(
           name=c["name"], number=c["number"], step=None, bytes=0,
-          time=c["mtime"], hosts=[], committed_hosts=[], torn_hosts=[],
-          damage=[]))
+          time=c["saved"] or c["mtime"],
+          time_source="recorded" if c["saved"] else "mtime", hosts=[],
+          committed_hosts=[], torn_hosts=[], damage=[]))
       row["bytes"] += c["flax_bytes"] + c["tf_bytes"]
-      row["time"] = max(row["time"], c["mtime"])
+      if c["saved"] is None:
+        row["time_source"] = "mtime"
+      row["time"] = max(row["time"], c["saved"] or c["mtime"])
       row["hosts"].append(host)
       (row["committed_hosts"] if c["committed"] and c["readable"] else
        row["torn_hosts"]).append(host)
@@ -321,6 +383,36 @@ def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
               checkpoints=checkpoints, tree=tree, problems=problems)
 
 
+def _inspect_flax_training(directory: str, prefix: str,
+                           checkpoint: Optional[int]) -> dict[str, Any]:
+  """`inspect_path` of a directory of `flax.training.checkpoints` files."""
+  problems: list[str] = []
+  rows = []
+  for number, path in flax_training.list_steps(directory, prefix).items():
+    name = path.rsplit("/", 1)[-1]
+    readable = _readable(directory, name, problems)
+    size, mtime = storage.stat(path) if readable else (0, 0.0)
+    damage = _damage(path) if readable else None
+    if damage:
+      problems.append(damage)
+    rows.append(dict(
+        name=name, number=number, bytes=size, time=_iso(mtime),
+        time_source="mtime", hosts=[None],
+        step=None if damage or not readable else _step_of(path),
+        committed=readable and not damage, committed_hosts=[],
+        torn_hosts=[], damage=[damage] if damage else []))
+  for extra in flax_training.orbax_step_directories(directory, prefix):
+    problems.append(f"{extra}: an Orbax-format Flax checkpoint directory; "
+                    "not described here (inspect it as an Orbax checkpoint)")
+  chosen = _choose(rows, checkpoint)
+  tree = None
+  if chosen is not None and not chosen["damage"]:
+    tree = tree_summary(storage.join(directory, chosen["name"]))
+    tree["number"] = chosen["number"]
+  return dict(kind="flax_training", path=directory, prefix=prefix, hosts=[],
+              checkpoints=rows, tree=tree, problems=problems)
+
+
 def _choose(checkpoints: list, number: Optional[int]) -> Optional[dict]:
   if number is not None:
     for row in checkpoints:
@@ -336,22 +428,36 @@ def format_inspect(report: dict[str, Any]) -> str:
   lines = []
   if report["kind"] == "orbax_root":
     return _format_orbax(report)
-  if report["kind"] != "flax_file":
+  if report["kind"] == "flax_training":
+    lines.append(f"{report['path']}: flax.training.checkpoints files "
+                 f"{report['prefix']}<step>")
+    table = [("file", "step", "size", "written (UTC, file time)", "state")]
+    for row in report["checkpoints"]:
+      table.append((row["name"],
+                    "" if row["step"] is None else str(row["step"]),
+                    _human(row["bytes"]), row["time"].replace("+00:00", ""),
+                    "damaged" if row["damage"] else "complete"))
+    lines += _table(table)
+    lines.append("")
+  elif report["kind"] != "flax_file":
     hosts = report.get("hosts") or []
     lines.append(f"{report['path']}: " + (
         f"multihost base, {len(hosts)} hosts" if hosts else
         "checkpoint directory"))
-    table = [("number", "step", "size", "written (UTC)", "hosts", "state")]
+    table = [("number", "step", "size", "saved (UTC)", "hosts", "state")]
     for row in report["checkpoints"]:
       state = "damaged" if row.get("damage") else (
           "committed" if row["committed"] else (
               "torn" if row["torn_hosts"] else "partial"))
       table.append((f"{row['name']}-{row['number']}",
                     "" if row["step"] is None else str(row["step"]),
-                    _human(row["bytes"]), row["time"].replace("+00:00", ""),
+                    _human(row["bytes"]), _time_text(row),
                     ",".join("-" if h is None else str(h)
                              for h in row["hosts"]), state))
     lines += _table(table)
+    if any(r.get("time_source") == "mtime" for r in report["checkpoints"]):
+      lines.append("* no save time recorded by TensorFlow: the file's "
+                   "modification time")
     lines.append("")
   tree = report.get("tree")
   if tree:
@@ -363,16 +469,28 @@ def format_inspect(report: dict[str, Any]) -> str:
                     str(tuple(leaf["shape"])),
                     _human(leaf["bytes"])))
     lines += _table(table)
+    count = tree.get("leaf_count", len(tree["leaves"]))
+    if count > len(tree["leaves"]):
+      lines.append(f"... and {count - len(tree['leaves'])} more leaves "
+                   f"(the first {len(tree['leaves'])} of {count} are listed)")
     lines.append("")
     table = [("subtree", "leaves", "bytes")]
     for key, entry in tree["subtrees"].items():
       table.append(("/" + key, str(entry["leaves"]), _human(entry["bytes"])))
-    table.append(("total", str(len(tree["leaves"])),
-                  _human(tree["total_bytes"])))
+    more = tree.get("more_subtrees")
+    if more:
+      table.append(("(other top-level keys)", str(more["leaves"]),
+                    _human(more["bytes"])))
+    table.append(("total", str(count), _human(tree["total_bytes"])))
     lines += _table(table)
   for problem in report.get("problems") or []:
     lines.append(f"PROBLEM: {problem}")
   return "\n".join(lines)
+
+
+def _time_text(row: dict) -> str:
+  text = row["time"].replace("+00:00", "")
+  return text + " *" if row.get("time_source") == "mtime" else text
 
 
 def _table(rows: list[tuple]) -> list[str]:
@@ -399,23 +517,31 @@ def _human(n: Optional[int]) -> str:
 
 
 def verify_path(path: str,
-                progress: Optional[Callable[..., None]] = None
-                ) -> dict[str, Any]:
+                progress: Optional[Callable[..., None]] = None, *,
+                prefix: Optional[str] = None) -> dict[str, Any]:
   """Checks that every committed checkpoint at `path` is sound.
 
   Checked: every committed `.flax` decodes completely (every header, every
   length, every chunk); its TensorFlow `.index` and all `.data-K-of-N` shards
   are present; in a multihost base, the hosts have a checkpoint in common and
-  hold the same tree (paths, dtypes, shapes) for each common number.
+  hold the same tree (paths, dtypes, shapes) for each common number. In a
+  directory of `flax.training.checkpoints` files, every `<prefix><step>`
+  file decodes completely. Orbax roots: see `orbax_root.verify_orbax_root`.
 
   Example::
 
     report = verify_path("/ckpts")   # {"ok": True, "checked": 3, ...}
 
   Args:
-    path: A CLU directory, multihost base or `.flax` file.
+    path: A CLU directory, multihost base, Orbax root, directory of Flax's
+      `checkpoint_<step>` files, or a `.flax` file.
     progress: Called after each `.flax` file as `progress(done, count, name,
-      nbytes, total_nbytes)` (see `clu_ckpt.progress.VerifyReport`).
+      nbytes, total_nbytes)` (see `clu_ckpt.progress.VerifyReport`): `name`
+      is the file's name, with its host directory's in a multihost base
+      (`checkpoints-1/ckpt-5.flax`); the bytes are those of the checkpoint's
+      files (`.flax` and TensorFlow's), as `inspect` counts them.
+    prefix: The prefix of Flax's files (default "checkpoint_", or the one
+      the directory's files share).
 
   Returns:
     `ok` (bool), `checked` (number of files decoded) and `problems` (list of
@@ -425,12 +551,17 @@ def verify_path(path: str,
   checked = 0
   if storage.exists(path) and not storage.isdir(path):
     return _verify_flax(path, problems, 0)
-  if orbax_root.is_orbax_root(path):
-    return orbax_root.verify_orbax_root(path)
-  hosts = layout.source_directories(path)
-  if not hosts:
+  found = reader.detect_layouts(path, prefix)
+  if not found:
     return dict(ok=False, checked=0, problems=[
-        f"{path}: no CLU checkpoint directory or multihost base here"])
+        f"{path}: no checkpoint here: looked for "
+        f"{reader.looked_for(prefix)}"])
+  if found[0] in (reader.ORBAX_MIGRATED, reader.ORBAX):
+    return orbax_root.verify_orbax_root(path)
+  if found[0] == reader.FLAX_TRAINING:
+    return _verify_flax_training(path, reader.flax_prefix(path, prefix),
+                                 progress)
+  hosts = layout.source_directories(path)
   trees: dict[int, dict[Any, list]] = collections.defaultdict(dict)
   numbers: dict[Any, set] = {}
   work: list[tuple[Any, str, dict]] = []
@@ -450,7 +581,7 @@ def verify_path(path: str,
                         "committed checkpoint)")
     numbers[host] = {c["number"] for c in found}
     work.extend((host, directory, c) for c in found)
-  sizes = [_size_or_zero(c["prefix"] + ".flax") for _, _, c in work]
+  sizes = [c["flax_bytes"] + c["tf_bytes"] for _, _, c in work]
   for (host, directory, c), nbytes in zip(work, sizes):
     checked += 1
     leaves = _decode_fully(c["prefix"] + ".flax", problems)
@@ -458,12 +589,34 @@ def verify_path(path: str,
       trees[c["number"]][host] = leaves
     _check_tf_shards(directory, c, problems)
     if progress is not None:
-      progress(checked, len(work), os.path.basename(c["prefix"]) + ".flax",
-               nbytes, sum(sizes))
+      name = os.path.basename(c["prefix"]) + ".flax"
+      if host is not None:
+        name = f"{os.path.basename(directory.rstrip('/'))}/{name}"
+      progress(checked, len(work), name, nbytes, sum(sizes))
   if None not in hosts:
     _check_hosts(path, hosts, numbers, trees, problems)
   if not checked:
     problems.append(f"{path}: no committed checkpoint found")
+  return dict(ok=not problems, checked=checked, problems=problems)
+
+
+def _verify_flax_training(directory: str, prefix: str,
+                          progress: Optional[Callable[..., None]]
+                          ) -> dict[str, Any]:
+  """`verify_path` of a directory of `flax.training.checkpoints` files."""
+  problems: list[str] = []
+  files = list(flax_training.list_steps(directory, prefix).values())
+  sizes = [_size_or_zero(f) for f in files]
+  checked = 0
+  for path, nbytes in zip(files, sizes):
+    checked += 1
+    if _readable(directory, path.rsplit("/", 1)[-1], problems):
+      _decode_fully(path, problems)
+    if progress is not None:
+      progress(checked, len(files), path.rsplit("/", 1)[-1], nbytes,
+               sum(sizes))
+  if not checked:
+    problems.append(f"{directory}: no {prefix}<step> file")
   return dict(ok=not problems, checked=checked, problems=problems)
 
 
@@ -533,7 +686,7 @@ def _check_hosts(path: str, hosts: dict, numbers: dict, trees: dict,
 def _format_orbax(report: dict) -> str:
   """Renders `orbax_root.inspect_orbax_root`'s report."""
   lines = [f"{report['path']}: Orbax CheckpointManager root"]
-  table = [("step", "items", "size", "committed (UTC)", "from")]
+  table = [("step", "items", "size", "saved (UTC)", "from")]
   for row in report["steps"]:
     table.append((str(row["step"]), ",".join(row["items"]),
                   _human(row["bytes"]),

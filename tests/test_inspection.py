@@ -138,7 +138,8 @@ def test_verify_multihost_tree_mismatch(tmp_path):
 def test_verify_empty_directory_is_not_ok(tmp_path):
   result = inspection.verify_path(str(tmp_path))
   assert result["ok"] is False and result["checked"] == 0
-  assert any("no committed checkpoint" in p for p in result["problems"])
+  assert any("no checkpoint here" in p and "looked for" in p and
+             "flax.training" in p for p in result["problems"])
 
 
 def test_neither_imports_tensorflow_nor_jax():
