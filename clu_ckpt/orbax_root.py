@@ -29,6 +29,7 @@ from typing import Optional
 
 from clu_ckpt import errors
 from clu_ckpt import flax_format
+from clu_ckpt import flax_training
 from clu_ckpt import layout
 from clu_ckpt import storage
 
@@ -40,6 +41,9 @@ def _iso(t: float) -> str:
 
 _ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
+# The `source_kind` a migration records for Flax's `checkpoint_<step>` files
+# (`migration.plan.FLAX_TRAINING_KIND`).
+_FLAX_TRAINING_KIND = "flax.training.checkpoints"
 # On GCS Orbax writes a step under its final name and commits it by writing
 # this file in it (and in each item) last: a step without it is not finished.
 COMMIT_SUCCESS_FILE = "commit_success.txt"
@@ -515,9 +519,12 @@ def _discover(source: str, problems: list) -> Optional[_Source]:
     return None
   if not directories or (None in directories and not
                          layout.is_checkpoint_directory(path)):
+    if storage.isdir(path) and flax_training.find_prefix(path):
+      return _Source(path, {0: path})  # Flax's `checkpoint_<step>` files
     problems.append(f"{source}: cannot be read as a CLU source: no CLU "
                     "checkpoint here (no `checkpoint` file, and no "
-                    f"`{os.path.basename(path)}-<host_id>` directories)")
+                    f"`{os.path.basename(path)}-<host_id>` directories), "
+                    "and no flax.training.checkpoints files")
     return None
   if None in directories:  # a single `Checkpoint` directory is host 0
     directories = {0: directories[None]}
@@ -543,8 +550,10 @@ def _compare_with_source(step_dir: str, src, problems: list) -> None:
         f"has hosts {list(src.host_directories)}")
   got = [(l.get("path"), l.get("dtype"), l.get("shape"))
          for l in clu.get("leaves") or []]
+  # Flax's own files have no extension (`checkpoint_<step>`).
+  suffix = "" if clu.get("source_kind") == _FLAX_TRAINING_KIND else ".flax"
   for host, directory in src.host_directories.items():
-    flax_path = storage.join(directory, f"{clu['clu_checkpoint']}.flax")
+    flax_path = storage.join(directory, f"{clu['clu_checkpoint']}{suffix}")
     try:
       expected = [(l.path, l.dtype, list(l.shape) if l.shape is not None else
                    None) for l in flax_format.inspect_file(flax_path)]

@@ -26,6 +26,7 @@ import numpy as np
 
 from clu_ckpt import errors
 from clu_ckpt import flax_format
+from clu_ckpt import flax_training
 from clu_ckpt import layout
 from clu_ckpt import storage
 
@@ -51,16 +52,22 @@ class SourceCheckpoint:
       file records for it (`all_model_checkpoint_timestamps`, parallel to
       `all_model_checkpoint_paths`) when there is one, else the modification
       time of its `.flax` file; None when neither can be read.
+    files: Host id -> state file, when it is not `<prefix>.flax`: Flax's
+      own layout (`flax.training.checkpoints`), whose file is
+      `<directory>/<prefix><step>` and whose `number` is that step.
   """
   number: int
   prefixes: Mapping[int, str]
   saved_at: Optional[float] = None
+  files: Optional[Mapping[int, str]] = None
 
   @property
   def name(self) -> str:
     return os.path.basename(next(iter(self.prefixes.values())))
 
   def flax_path(self, host: int) -> str:
+    if self.files is not None:
+      return self.files[host]
     return f"{self.prefixes[host]}.flax"
 
 
@@ -70,7 +77,8 @@ class Source:
 
   Attributes:
     path: The base directory (normalized).
-    kind: "Checkpoint" or "MultihostCheckpoint".
+    kind: "Checkpoint", "MultihostCheckpoint" or "flax.training.checkpoints"
+      (`FLAX_TRAINING_KIND`: Flax's `checkpoint_<step>` files).
     host_directories: Host id -> directory.
     checkpoints: Checkpoints kept on every host, oldest first.
     not_on_all_hosts: Numbers kept on some hosts only.
@@ -82,18 +90,23 @@ class Source:
   not_on_all_hosts: list[int]
 
 
-def discover(source: str) -> Source:
-  """Finds the checkpoints of a CLU `Checkpoint` or `MultihostCheckpoint`.
+def discover(source: str, prefix: Optional[str] = None) -> Source:
+  """Finds the checkpoints of a CLU `Checkpoint` or `MultihostCheckpoint`,
+  or of Flax's `flax.training.checkpoints` files.
 
   Args:
-    source: A `Checkpoint` base directory (holding TF's `checkpoint` file), or
-      a `MultihostCheckpoint` base (`<source>-<host_id>` directories).
+    source: A `Checkpoint` base directory (holding TF's `checkpoint` file),
+      a `MultihostCheckpoint` base (`<source>-<host_id>` directories), or a
+      directory of Flax's `<prefix><step>` files (their steps are the
+      checkpoint numbers).
+    prefix: The prefix of Flax's files; None: "checkpoint_", or the one the
+      directory's files share (`flax_training.find_prefix`).
 
   Returns:
     The source and its checkpoints.
 
   Raises:
-    MigrationError: No CLU checkpoint is found there.
+    MigrationError: No checkpoint is found there.
   """
   path = layout.absolute(source)
   if storage.exists(storage.join(path, layout.STATE_FILENAME)):
@@ -102,9 +115,16 @@ def discover(source: str) -> Source:
     kind, directories = "MultihostCheckpoint", (
         layout.host_directories(path))
     if not directories:
+      flax_prefix = (flax_training.find_prefix(path) if prefix is None
+                     else prefix)
+      if flax_prefix is not None and flax_training.list_steps(
+          path, flax_prefix):
+        return _discover_flax_training(path, flax_prefix)
       raise MigrationError(
           f"{path}: no CLU checkpoint here (no `checkpoint` file, and no "
-          f"`{os.path.basename(path)}-<host_id>` directories beside it)")
+          f"`{os.path.basename(path)}-<host_id>` directories beside it), "
+          f"and no flax.training.checkpoints files "
+          f"{prefix or flax_training.DEFAULT_PREFIX}<step>")
   kept, stamps = {}, {}
   for host, d in directories.items():
     kept[host], stamps[host] = _kept_checkpoints(d)
@@ -120,6 +140,28 @@ def discover(source: str) -> Source:
     checkpoints.append(SourceCheckpoint(n, prefixes, saved_at))
   return Source(path, kind, dict(sorted(directories.items())), checkpoints,
                 sorted(every - common))
+
+
+FLAX_TRAINING_KIND = "flax.training.checkpoints"
+
+
+def _discover_flax_training(path: str, prefix: str) -> Source:
+  """The `Source` of a directory of Flax's `<prefix><step>` files.
+
+  Each file is one checkpoint, numbered by its step, saved at its file's
+  modification time (Flax records no other). Its files must be regular
+  files inside `path`.
+  """
+  checkpoints = []
+  for step, file in flax_training.list_steps(path, prefix).items():
+    try:
+      layout.check_inside(path, file)
+      storage.check_regular_file(file)
+    except (OSError, ValueError) as e:
+      raise MigrationError(str(e)) from None
+    checkpoints.append(SourceCheckpoint(
+        step, {0: file}, _modification_time(file), files={0: file}))
+  return Source(path, FLAX_TRAINING_KIND, {0: path}, checkpoints, [])
 
 
 def _modification_time(path: str) -> Optional[float]:
@@ -291,7 +333,8 @@ def name_steps(checkpoints: Sequence[SourceCheckpoint],
 
   The state's own `step` is used when every checkpoint has a non-negative
   integer one and they increase with the checkpoint number; otherwise the
-  CLU checkpoint number.
+  CLU checkpoint number. Flax's `checkpoint_<step>` files ("auto") keep
+  the step of their names (their number).
 
   Args:
     checkpoints: The checkpoints to migrate, oldest first.
@@ -308,6 +351,10 @@ def name_steps(checkpoints: Sequence[SourceCheckpoint],
     raise MigrationError(f"unknown step naming {step_naming!r}; use one of "
                          f"{', '.join(STEP_NAMINGS)}")
   numbers = [c.number for c in checkpoints]
+  if step_naming == "auto" and checkpoints and all(
+      c.files is not None for c in checkpoints):
+    # Flax's own files: their names carry the step, which is the number.
+    return "number", {n: n for n in numbers}
   if step_naming == "number":
     return "number", {n: n for n in numbers}
   problem = _state_steps_problem(numbers, steps)
