@@ -221,3 +221,104 @@ def test_verify_a_migrated_root_against_every_host(tmp_path):
   done = _cli("verify", tmp_path / "dst", "--source", tmp_path / "nowhere")
   assert done.returncode == 1 and "Traceback" not in done.stderr
   assert "cannot be read as a CLU source" in done.stdout
+
+
+# ---------------------------------------------------------------------------
+# Every layout; nothing there; wide files; recorded times; verify's lines.
+# ---------------------------------------------------------------------------
+
+
+def _flax_training_dir(directory, steps, prefix="checkpoint_"):
+  """Real `flax.training.checkpoints.save_checkpoint` files, Orbax off."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  import flax  # pylint: disable=g-import-not-at-top
+  from flax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  flax.config.update("flax_use_orbax_checkpointing", False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for step in steps:
+      checkpoints.save_checkpoint(
+          str(directory), {"step": step, "w": np.ones(5, np.float32) * step},
+          step, prefix=prefix, keep=2)
+  return directory
+
+
+def _cli(*args, cwd=None):
+  return subprocess.run([sys.executable, "-m", "clu_ckpt", *args],
+                        capture_output=True, text=True, timeout=120, cwd=cwd,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+
+
+def test_inspect_and_verify_flax_training_files(tmp_path):
+  d = _flax_training_dir(tmp_path / "run", [5, 10, 15])
+  report = inspection.inspect_path(str(d))
+  assert report["kind"] == "flax_training"
+  assert [(r["name"], r["number"], r["step"]) for r in report["checkpoints"]
+          ] == [("checkpoint_10", 10, 10), ("checkpoint_15", 15, 15)]
+  assert report["tree"]["number"] == 15
+  assert [l["path"] for l in report["tree"]["leaves"]] == ["/step", "/w"]
+  text = inspection.format_inspect(report)
+  assert "flax.training.checkpoints files checkpoint_<step>" in text
+  assert inspection.verify_path(str(d)) == dict(ok=True, checked=2,
+                                                problems=[])
+  with open(d / "checkpoint_10", "r+b") as f:
+    f.truncate(30)
+  result = inspection.verify_path(str(d))
+  assert not result["ok"] and "checkpoint_10" in result["problems"][0]
+  assert inspection.inspect_path(str(d))["checkpoints"][0]["damage"]
+
+
+def test_inspect_of_nothing_exits_1_with_one_line(tmp_path):
+  (tmp_path / "empty").mkdir()
+  (tmp_path / "work").mkdir()
+  (tmp_path / "work" / "notes.txt").write_text("no checkpoints\n")
+  for name in ("empty", "work"):
+    done = _cli("inspect", str(tmp_path / name))
+    assert done.returncode == 1, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and done.stdout == ""
+    for words in ("Orbax", "CLU Checkpoint", "MultihostCheckpoint",
+                  "flax.training.checkpoints"):
+      assert words in lines[0]
+
+
+def test_inspect_of_a_wide_file_lists_the_first_leaves(tmp_path):
+  path = tmp_path / "wide.flax"
+  flax_format.save_file({f"k{i:06d}": None for i in range(5000)}, str(path))
+  report = inspection.inspect_path(str(path))
+  tree = report["tree"]
+  assert tree["leaf_count"] == 5000
+  assert len(tree["leaves"]) == inspection.LEAVES_SHOWN
+  text = inspection.format_inspect(report)
+  assert f"and {5000 - inspection.LEAVES_SHOWN} more leaves" in text
+  assert "\ntotal" in text and "5000" in text.splitlines()[-1]
+
+
+def test_saved_column_is_the_time_tensorflow_recorded(tmp_path):
+  d = _copy("single_host", tmp_path)
+  for name in os.listdir(d):
+    os.utime(d / name, (1e9, 1e9))  # a copy resets the files' times
+  report = inspection.inspect_path(str(d))
+  from clu_ckpt import layout  # pylint: disable=g-import-not-at-top
+  state = layout.read_checkpoint_state(str(d))
+  recorded = dict(zip(state.all_model_checkpoint_paths,
+                      state.all_model_checkpoint_timestamps))
+  for row in report["checkpoints"]:
+    stamp = recorded[str(d / f"ckpt-{row['number']}")]
+    assert row["time"] == inspection._iso(stamp)
+    assert row["time_source"] == "recorded"
+  assert "2001-09-09" not in inspection.format_inspect(report)
+
+
+def test_verify_of_a_multihost_base_names_each_host(tmp_path):
+  d = _copy("multihost", tmp_path)
+  calls = []
+  inspection.verify_path(str(d / "checkpoints"),
+                         progress=lambda *a: calls.append(a))
+  names = [c[2] for c in calls]
+  assert len(set(names)) == len(names)
+  assert all(n.startswith(("checkpoints-0/", "checkpoints-1/"))
+             for n in names)
+  report = inspection.inspect_path(str(d / "checkpoints"))
+  assert calls[-1][4] == sum(r["bytes"] for r in report["checkpoints"]
+                             if r["committed"] or r["torn_hosts"] == [])

@@ -130,3 +130,67 @@ def test_peek_step_reads_only_the_head_of_a_bucket_file(gcs, monkeypatch,
   flax_format.save_file({"a": big, "step": step}, path)
   assert plan.peek_step(path)[0] == want
   assert maps == [path]
+
+
+# ---------------------------------------------------------------------------
+# Flax's own layout: `flax.training.checkpoints` files.
+# ---------------------------------------------------------------------------
+
+
+def _flax_files(directory, steps, prefix="checkpoint_"):
+  import warnings  # pylint: disable=g-import-not-at-top
+  import flax  # pylint: disable=g-import-not-at-top
+  from flax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  flax.config.update("flax_use_orbax_checkpointing", False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for step in steps:
+      checkpoints.save_checkpoint(
+          str(directory), {"step": step * 100, "params": {
+              "w": np.arange(4, dtype=np.float32) * step}, "name": "adam"},
+          step, prefix=prefix, keep=3)
+
+
+def test_discover_flax_training_files(tmp_path):
+  _flax_files(tmp_path / "run", [2, 4, 6, 8])
+  (tmp_path / "run" / "checkpoint_tmp").write_bytes(b"\x80")
+  src = plan.discover(str(tmp_path / "run"))
+  assert src.kind == plan.FLAX_TRAINING_KIND
+  assert [c.number for c in src.checkpoints] == [4, 6, 8]
+  assert src.checkpoints[-1].flax_path(0) == str(
+      tmp_path / "run" / "checkpoint_8")
+  naming, mapping = plan.name_steps(src.checkpoints, {4: 400, 6: 600, 8: 800})
+  assert (naming, mapping) == ("number", {4: 4, 6: 6, 8: 8})
+  _flax_files(tmp_path / "other", [3], prefix="model_")
+  assert [c.name for c in plan.discover(str(tmp_path / "other")).checkpoints
+          ] == ["model_3"]
+  with pytest.raises(migration.MigrationError, match="flax.training"):
+    plan.discover(str(tmp_path / "nothing"))
+
+
+def test_migrated_flax_files_restore_with_stock_orbax(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from flax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  from migration_helpers import same_tree  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  _flax_files(tmp_path / "run", [5, 10, 15])
+  summary = migration.migrate(str(tmp_path / "run"), str(tmp_path / "orbax"),
+                              verify=True)
+  assert summary.ok, summary.failed
+  assert [s.step for s in summary.steps] == [5, 10, 15]
+  with ocp.CheckpointManager(str(tmp_path / "orbax")) as mngr:
+    assert list(mngr.all_steps()) == [5, 10, 15]
+    restored = mngr.restore(10, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore()))
+    assert "dataset" not in mngr.item_metadata(10)
+  want = checkpoints.restore_checkpoint(str(tmp_path / "run"), None, step=10)
+  np.testing.assert_array_equal(restored["state"]["params"]["w"],
+                                want["params"]["w"])
+  assert restored["state"]["name"] == "adam"
+  assert same_tree(migration.restore_state(str(tmp_path / "orbax"), 10), want)
+  assert same_tree(checkpoint.load_state_dict(str(tmp_path / "orbax")),
+                   checkpoints.restore_checkpoint(str(tmp_path / "run"), None))
+  from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
+  result = orbax_root.verify_orbax_root(str(tmp_path / "orbax"),
+                                        source=str(tmp_path / "run"))
+  assert result["ok"], result["problems"]
