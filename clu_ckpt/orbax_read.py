@@ -48,6 +48,12 @@ _SCALAR_TYPE = "scalar"
 _STRING_TYPE = "string"
 
 Subtree = Union[None, str, Sequence[str]]
+# Read coalescing for buckets (the settings Orbax 0.12 uses there).
+_COALESCING = {
+    "experimental_read_coalescing_threshold_bytes": 1000000,
+    "experimental_read_coalescing_merged_bytes": 500000000000,
+    "experimental_read_coalescing_interval": "1ms",
+}
 
 
 def _read_json(path: str) -> Optional[dict]:
@@ -273,15 +279,22 @@ def read_arrays(item: str, names: Sequence[str], *, use_ocdbt: bool = True,
   """
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   base = _kvstore_url(item)
-  context = ts.Context({"cache_pool": {"total_bytes_limit": 0},
-                        "file_io_concurrency": {"limit": 64}})
+  # As Orbax reads: OCDBT's B-tree nodes cached (read once for all arrays),
+  # nothing rechecked, a missing chunk an error (Orbax writes every chunk).
+  context = ts.Context({"file_io_concurrency": {"limit": 128},
+                        "cache_pool#ocdbt": {"total_bytes_limit": 10**8}})
   opened = []
   for name in names:
     if use_ocdbt:
-      kvstore = {"driver": "ocdbt", "base": base, "path": f"{name}/"}
+      kvstore = {"driver": "ocdbt", "base": base, "path": f"{name}/",
+                 "cache_pool": "cache_pool#ocdbt"}
+      if not base.startswith("file://"):
+        kvstore.update(_COALESCING)
     else:
       kvstore = f"{base}{name}/"
-    spec = {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore}
+    spec = {"driver": "zarr3" if use_zarr3 else "zarr", "kvstore": kvstore,
+            "recheck_cached_data": False, "recheck_cached_metadata": False,
+            "fill_missing_data_reads": False}
     opened.append(ts.open(spec, open=True, read=True, context=context))
   reads = []
   for name, future in zip(names, opened):
