@@ -277,8 +277,13 @@ def read_arrays(item: str, names: Sequence[str], *, use_ocdbt: bool = True,
   Raises:
     InvalidCheckpointError: An array cannot be opened or read (names it).
   """
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
   base = _kvstore_url(item)
+  if not base.startswith("file://"):
+    # TensorStore reads the bucket itself (an emulator through
+    # TENSORSTORE_GCS_HTTP_URL): set up before it is imported.
+    from clu_ckpt import fsspec_fs  # pylint: disable=g-import-not-at-top
+    fsspec_fs.configure_environment()
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
   # As Orbax reads: OCDBT's B-tree nodes cached (read once for all arrays),
   # nothing rechecked, a missing chunk an error (Orbax writes every chunk).
   context = ts.Context({"file_io_concurrency": {"limit": 128},

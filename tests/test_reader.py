@@ -333,3 +333,17 @@ def test_nothing_there_names_the_layouts_looked_for(tmp_path):
   for words in ("Orbax", "CLU Checkpoint", "MultihostCheckpoint",
                 "flax.training.checkpoints"):
     assert words in text
+
+
+def test_migrated_root_and_flax_files_in_a_bucket(runs, gcs):
+  bucket = gcs.bucket()
+  root = gcs.upload(runs / "clu_orbax", "orbax", bucket=bucket)
+  flax_dir = gcs.upload(runs / "flax", "flax", bucket=bucket)
+  assert reader.detect_layout(root) == "orbax_migrated"
+  assert reader.detect_layout(flax_dir) == "flax_training"
+  want = clu_checkpoint.load_state_dict(str(runs / "clu"))
+  assert same_tree(checkpoint.load_state_dict(root), want)
+  assert same_tree(checkpoint.load_state_dict(root, subtree="opt"),
+                   want["opt"])
+  assert same_tree(checkpoint.load_state_dict(flax_dir),
+                   _flax_restore(runs / "flax"))
