@@ -17,13 +17,18 @@ TensorFlow's `checkpoint` file lists elsewhere (absolute paths, `..`), and
 files that are symlinks leading out of the directory, are reported as
 problems and not read; so are files that are not regular files.
 
-Paths understood: a `Checkpoint` base directory, a `MultihostCheckpoint` base
-(`<base>-0`, `<base>-1`, ... beside it), a single `.flax` file, and an Orbax
-CheckpointManager root: one written by `clu-ckpt migrate` (read from its JSON
-metadata files; Orbax is not imported) or a native one (its items from
-Orbax's step metadata, its tree through Orbax's public metadata API when
-Orbax is installed, else its leaf paths with dtype, shape and size
-"unknown"; see `clu_ckpt.orbax_root`).
+Paths understood (the layouts `clu_ckpt.reader.detect_layouts` finds): a
+`Checkpoint` base directory, a `MultihostCheckpoint` base (`<base>-0`,
+`<base>-1`, ... beside it), a directory of `flax.training.checkpoints`
+files (`checkpoint_<step>`, see `clu_ckpt.flax_training`), a single `.flax`
+file, and an Orbax CheckpointManager root: one written by `clu-ckpt migrate`
+(read from its JSON metadata files; Orbax is not imported) or a native one
+(its items from Orbax's step metadata, its tree through Orbax's public
+metadata API when Orbax is installed, else its leaf paths with dtype, shape
+and size "unknown"; see `clu_ckpt.orbax_root`). A path holding none of them
+is an error naming the layouts looked for. A file's tree is summarised
+(`clu_ckpt.flax_summary`): every leaf counted, the first `LEAVES_SHOWN`
+listed, so that a file of millions of leaves costs no more than loading it.
 
 `inspect` of a directory checks every `.flax` file's headers: a damaged one
 is listed as "damaged" and named in `problems` with what is wrong.
