@@ -294,7 +294,9 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
         clu_checkpoint=clu.get("clu_checkpoint"), source=clu.get("source"),
         hosts=clu.get("hosts")))
   if step is not None and step not in numbers:
-    raise errors.CheckpointNotFoundError(f"No step {step} in {root}")
+    raise errors.CheckpointNotFoundError(
+        f"No step {step} in {root} (steps: {numbers})"
+        f"{_mapping_hint(root, numbers, step)}")
   chosen = step if step is not None else (numbers[-1] if numbers else None)
   problems: list[str] = []
   tree = None
@@ -303,6 +305,20 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
     tree["number"] = chosen
   return dict(kind="orbax_root", path=root, steps=rows, partial=partial,
               tree=tree, problems=problems)
+
+
+def _mapping_hint(root: str, numbers: list[int], number: int) -> str:
+  """"; CLU checkpoint 7 (ckpt-7) became step 700" when the root's
+  migration metadata maps checkpoint `number` to a step, else ""."""
+  for step in reversed(numbers):
+    clu = _read_json(storage.join(root, str(step), "metadata",
+                                  "metadata")) or {}
+    mapping = clu.get("step_mapping")
+    if isinstance(mapping, dict) and str(number) in mapping:
+      name = str(clu.get("clu_checkpoint", "")).rsplit("-", 1)[0]
+      return (f"; CLU checkpoint {number} ({name}-{number}) was migrated to "
+              f"step {mapping[str(number)]}: ask for that step")
+  return ""
 
 
 def _step_tree(step_dir: str, problems: list) -> dict:

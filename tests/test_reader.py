@@ -347,3 +347,12 @@ def test_migrated_root_and_flax_files_in_a_bucket(runs, gcs):
                    want["opt"])
   assert same_tree(checkpoint.load_state_dict(flax_dir),
                    _flax_restore(runs / "flax"))
+
+
+def test_inspect_of_a_clu_number_on_a_migrated_root_names_its_step(runs):
+  from clu_ckpt import inspection  # pylint: disable=g-import-not-at-top
+  with pytest.raises(errors.CheckpointNotFoundError) as raised:
+    inspection.inspect_path(str(runs / "clu_orbax"), 2)
+  assert "ckpt-2) was migrated to step 20" in str(raised.value)
+  assert inspection.inspect_path(str(runs / "clu_orbax"), 20)["tree"][
+      "number"] == 20
