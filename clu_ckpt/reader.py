@@ -176,6 +176,9 @@ def load_state_dict(path: str, *, subtree: Subtree = None,
   if storage.exists(path) and not storage.isdir(path):
     logging.info("load_state_dict: reading the file %s", path)
     return flax_format.load_file(path, subtree=subtree)
+  if (isinstance(checkpoint, str) and step is None and layout_name is None
+      and storage.exists(f"{checkpoint}.flax")):
+    return _read_clu(path, subtree, checkpoint)  # a CLU checkpoint, as given
   found = detect_layouts(path, prefix)
   if layout_name is not None:
     if layout_name not in found:
