@@ -25,6 +25,8 @@ import collections
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from clu_ckpt import flax_decode
 from clu_ckpt import flax_format
 from clu_ckpt.flax_parse import MAX_DEPTH
@@ -52,6 +54,8 @@ class Summary:
     subtrees: Top-level key -> [leaves, bytes], for the first
       `MAX_SUBTREES` top-level keys.
     more_subtrees: [leaves, bytes] under the other top-level keys.
+    step: The integer value of a top-level `step` leaf (a Python int or a
+      0-d integer array), else None.
   """
   path: str
   leaves: int = 0
@@ -60,6 +64,7 @@ class Summary:
   subtrees: dict = dataclasses.field(
       default_factory=collections.OrderedDict)
   more_subtrees: list = dataclasses.field(default_factory=lambda: [0, 0])
+  step: Any = None
 
 
 class _Frame:
@@ -89,6 +94,7 @@ class _Sink:
     self.frames = [_Frame()]
     self.sample = sample
     self.kept = 0  # leaves in samples (of every frame)
+    self.step_leaf = None  # the root's "step" leaf
 
   def __len__(self) -> int:
     return 0
@@ -177,7 +183,7 @@ class _SummaryReader(flax_decode._Reader):  # pylint: disable=protected-access
                                          view[pos] >= 0xE0):
         size = 1
       if (size is not None and pos + size <= end and depth < MAX_DEPTH and
-          out.kept >= out.sample):
+          out.kept >= out.sample and not (at_root and key == "step")):
         self._pos = pos + size
         frame.leaves += 1
         if at_root:
@@ -201,6 +207,9 @@ class _SummaryReader(flax_decode._Reader):  # pylint: disable=protected-access
       return super()._leaf(out, path, kind, dtype, shape, nbytes, offset)
     frames = sink.frames
     frame = frames[-1]
+    if len(frames) == 2 and path == "/step":
+      sink.step_leaf = flax_decode.LeafInfo(path, kind, dtype, shape, nbytes,
+                                            offset)
     frame.leaves += 1
     frame.nbytes += nbytes
     if sink.kept < sink.sample:
@@ -237,6 +246,8 @@ def summarize_file(path: str, sample: int = 1000) -> Summary:
     raise reader._deferred  # pylint: disable=protected-access
   frame = sink.frames[0]
   out = Summary(path, frame.leaves, frame.nbytes, frame.sample)
+  if sink.step_leaf is not None:
+    out.step = _step_value(reader, buffer, sink.step_leaf)
   for top, (leaves, nbytes) in frame.tops.items():
     if top is None:
       out.more_subtrees = [leaves, nbytes]
@@ -244,3 +255,15 @@ def summarize_file(path: str, sample: int = 1000) -> Summary:
       out.subtrees[top] = [leaves, nbytes]
   return out
 
+
+def _step_value(reader: _SummaryReader, buffer: Any,
+                leaf: flax_decode.LeafInfo) -> Any:
+  """The integer a `step` leaf holds, read at its offset, or None."""
+  if leaf.kind == "int":
+    reader._pos = leaf.offset  # pylint: disable=protected-access
+    return reader._value(0)  # pylint: disable=protected-access
+  if leaf.kind in ("ndarray", "npscalar") and leaf.shape == ():
+    dtype = flax_format.dtype_from_name(leaf.dtype)
+    if dtype.kind in "iu":
+      return int(np.frombuffer(buffer, dtype, 1, leaf.offset)[0])
+  return None

@@ -193,10 +193,29 @@ def _step_of(flax_path: str) -> Optional[int]:
   return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def _step_from(cache: dict, flax_path: str) -> Optional[int]:
+  """The state's integer top-level `step`, from the file's summary."""
+  summary = cache.get(flax_path)
+  if summary is None:
+    return _step_of(flax_path)
+  step = summary.step
+  return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 _TEXT_PROBE = 48
 
 
-def _damage(flax_path: str) -> Optional[str]:
+def _summary(flax_path: str, cache: Optional[dict]) -> Any:
+  """`flax_summary.summarize_file`, once per file and inspect call."""
+  if cache is None:
+    return flax_summary.summarize_file(flax_path, sample=LEAVES_SHOWN)
+  if flax_path not in cache:
+    cache[flax_path] = flax_summary.summarize_file(flax_path,
+                                                   sample=LEAVES_SHOWN)
+  return cache[flax_path]
+
+
+def _damage(flax_path: str, cache: Optional[dict] = None) -> Optional[str]:
   """What is wrong with a `.flax` file's headers, in one sentence, or None.
 
   The sentence names the file and, where the format says so, the byte
@@ -205,7 +224,7 @@ def _damage(flax_path: str) -> Optional[str]:
   first character as a small integer and complain about what follows).
   """
   try:
-    flax_summary.summarize_file(flax_path, sample=0)
+    _summary(flax_path, cache)
     return None
   except flax_format.FlaxFormatError as e:
     error = e
@@ -249,7 +268,8 @@ def _text_start(path: str) -> Optional[str]:
 # --------------------------------------------------------------------------
 
 
-def tree_summary(flax_path: str, limit: int = LEAVES_SHOWN) -> dict[str, Any]:
+def tree_summary(flax_path: str, limit: int = LEAVES_SHOWN,
+                 _cache: Optional[dict] = None) -> dict[str, Any]:
   """The leaves of a `.flax` file (headers only) with per-subtree totals.
 
   Every leaf is counted, but only the first `limit` are listed: a file of
@@ -269,7 +289,8 @@ def tree_summary(flax_path: str, limit: int = LEAVES_SHOWN) -> dict[str, Any]:
   Raises:
     flax_format.FlaxFormatError: The headers are corrupt.
   """
-  summary = flax_summary.summarize_file(flax_path, sample=limit)
+  summary = (_summary(flax_path, _cache) if limit == LEAVES_SHOWN else
+             flax_summary.summarize_file(flax_path, sample=limit))
   subtrees: dict[str, dict[str, int]] = collections.OrderedDict(
       (top, {"leaves": leaves, "bytes": nbytes})
       for top, (leaves, nbytes) in summary.subtrees.items())
@@ -346,6 +367,7 @@ def _inspect_clu(path: str, checkpoint: Optional[int]) -> dict[str, Any]:
         f"No CLU checkpoint directory, multihost base or .flax file at {path}")
   rows: dict[tuple, dict[str, Any]] = {}
   problems: list[str] = []
+  cache: dict[str, Any] = {}
   for host, directory in hosts.items():
     for c in list_checkpoints(directory, problems):
       row = rows.setdefault((c["name"], c["number"]), dict(
@@ -361,13 +383,17 @@ def _inspect_clu(path: str, checkpoint: Optional[int]) -> dict[str, Any]:
       (row["committed_hosts"] if c["committed"] and c["readable"] else
        row["torn_hosts"]).append(host)
       # A torn save's partial file is expected; committed ones must be whole.
-      damage = (_damage(c["prefix"] + ".flax")
+      flax_path = c["prefix"] + ".flax"
+      damage = (_damage(flax_path, cache)
                 if c["readable"] and c["committed"] else None)
       if damage:
         row["damage"].append(damage)
         problems.append(damage)
       elif row["step"] is None and c["committed"] and c["readable"]:
-        row["step"] = _step_of(c["prefix"] + ".flax")
+        row["step"] = _step_from(cache, flax_path)
+      if flax_path in cache and not row["step"] is None and (
+          host != min(hosts)):
+        cache.pop(flax_path)  # other hosts' summaries: not needed again
   checkpoints = [rows[k] for k in sorted(rows)]
   for row in checkpoints:
     row["committed"] = (not row["torn_hosts"] and
@@ -381,7 +407,7 @@ def _inspect_clu(path: str, checkpoint: Optional[int]) -> dict[str, Any]:
         hosts[first_host], f"{chosen['name']}-{chosen['number']}.flax")
     layout.check_inside(hosts[first_host], flax_path)
     storage.check_regular_file(flax_path)
-    tree = tree_summary(flax_path)
+    tree = tree_summary(flax_path, _cache=cache)
     tree["number"] = chosen["number"]
   return dict(kind="multihost" if None not in hosts else "checkpoint_dir",
               path=path, hosts=[h for h in hosts if h is not None],
@@ -393,17 +419,18 @@ def _inspect_flax_training(directory: str, prefix: str,
   """`inspect_path` of a directory of `flax.training.checkpoints` files."""
   problems: list[str] = []
   rows = []
+  cache: dict[str, Any] = {}
   for number, path in flax_training.list_steps(directory, prefix).items():
     name = path.rsplit("/", 1)[-1]
     readable = _readable(directory, name, problems)
     size, mtime = storage.stat(path) if readable else (0, 0.0)
-    damage = _damage(path) if readable else None
+    damage = _damage(path, cache) if readable else None
     if damage:
       problems.append(damage)
     rows.append(dict(
         name=name, number=number, bytes=size, time=_iso(mtime),
         time_source="mtime", hosts=[None],
-        step=None if damage or not readable else _step_of(path),
+        step=None if damage or not readable else _step_from(cache, path),
         committed=readable and not damage, committed_hosts=[],
         torn_hosts=[], damage=[damage] if damage else []))
   for extra in flax_training.orbax_step_directories(directory, prefix):
@@ -412,7 +439,7 @@ def _inspect_flax_training(directory: str, prefix: str,
   chosen = _choose(rows, checkpoint)
   tree = None
   if chosen is not None and not chosen["damage"]:
-    tree = tree_summary(storage.join(directory, chosen["name"]))
+    tree = tree_summary(storage.join(directory, chosen["name"]), _cache=cache)
     tree["number"] = chosen["number"]
   return dict(kind="flax_training", path=directory, prefix=prefix, hosts=[],
               checkpoints=rows, tree=tree, problems=problems)

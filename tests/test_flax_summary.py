@@ -108,3 +108,18 @@ def test_a_map_of_nils_written_by_msgpack(tmp_path):
   path = tmp_path / "nils.flax"
   path.write_bytes(msgpack.packb({f"{i}": None for i in range(3000)}))
   _assert_summarises(str(path), 2)
+
+
+@pytest.mark.parametrize("step,want", [
+    (7, 7), (2**40, 2**40), (np.int64(9), 9), (np.asarray(5, np.int32), 5),
+    (np.uint8(3), 3), (1.5, None), (True, None), ("7", None), (None, None),
+])
+def test_top_level_step(step, want, tmp_path):
+  path = tmp_path / "s.flax"
+  state = {f"k{i}": None for i in range(50)}
+  state["step"] = step
+  state["nested"] = {"step": 11}
+  path.write_bytes(serialization.to_bytes(state))
+  for sample in (0, 1000):
+    got = flax_summary.summarize_file(str(path), sample=sample).step
+    assert got == want and type(got) is type(want), (sample, got)
