@@ -545,6 +545,10 @@ def _compare_with_source(step_dir: str, src, problems: list) -> None:
          for l in clu.get("leaves") or []]
   for host, directory in src.host_directories.items():
     flax_path = storage.join(directory, f"{clu['clu_checkpoint']}.flax")
+    index_path = storage.join(directory, f"{clu['clu_checkpoint']}.index")
+    if not storage.exists(index_path):
+      problems.append(f"{index_path}: missing (TensorFlow files of the "
+                      f"checkpoint {step_dir} was migrated from)")
     try:
       expected = [(l.path, l.dtype, list(l.shape) if l.shape is not None else
                    None) for l in flax_format.inspect_file(flax_path)]
