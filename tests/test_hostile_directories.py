@@ -460,3 +460,27 @@ def test_bucket_pruning_never_deletes_outside_the_directory(gcs):
   assert sorted(storage.listdir(run)) == [
       "checkpoint", "ckpt-3.data-00000-of-00001", "ckpt-3.flax",
       "ckpt-3.index"]
+
+
+def test_outside_errors_name_the_path_the_directory_and_how(tmp_path):
+  run, evil = tmp_path / "ckpt", tmp_path / "ckpt-evil"
+  run.mkdir()
+  evil.mkdir()
+  (run / "link").symlink_to(evil / "x")
+  for path, how in ((f"{run}/../ckpt-evil/x", "a path through '..'"),
+                    (f"{evil}/x", "a path elsewhere"),
+                    (f"{run}/link", f"a symlink to {evil}/x")):
+    with pytest.raises(layout.OutsideDirectoryError) as raised:
+      layout.check_inside(str(run), path)
+    assert str(raised.value) == (f"{path}: resolves outside the checkpoint "
+                                 f"directory {run} ({how}); refused")
+    assert (raised.value.path, raised.value.directory) == (path, str(run))
+
+
+def test_what_is_not_a_checkpoint_directory(tmp_path):
+  assert not layout.is_checkpoint_directory(str(tmp_path / "missing"))
+  assert not layout.is_checkpoint_directory(str(tmp_path))
+  (tmp_path / "ckpt-1.flax").write_bytes(b"")
+  assert layout.is_checkpoint_directory(str(tmp_path))
+  with pytest.raises(ValueError, match="^an empty path$"):
+    layout.absolute("")
