@@ -91,3 +91,53 @@ def test_the_refresh_thread_leaves_a_stolen_lock_alone(tmp_path, monkeypatch):
   finally:
     held.release()
   assert storage.read_bytes(path) == _thief()
+
+
+def _held(tmp_path, monkeypatch, seconds="60"):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, seconds)
+  root = str(tmp_path)
+  path = storage.join(root, ".clu_ckpt.lock")
+  return root, path, lease_lib.Lease.acquire(root, path)
+
+
+@pytest.mark.parametrize("clock", ["monotonic", "wall"])
+def test_a_lapsed_lease_is_lost_and_its_lock_left_alone(tmp_path, monkeypatch,
+                                                        clock):
+  """Not rewritten for longer than the lease by either clock (a paused
+  holder, a store out of reach): lost; on release the lock is left, since
+  another process may have taken it over by now."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  mine = storage.read_bytes(path)
+  try:
+    mono, wall = held._ok  # pylint: disable=protected-access
+    held._ok = ((mono - 100, wall) if clock == "monotonic" else  # pylint: disable=protected-access
+                (mono, wall - 100))
+    with pytest.raises(errors.MigrationError, match="not refreshed for 1"):
+      held.check()
+    with pytest.raises(errors.MigrationError, match="not refreshed"):
+      lease_lib.ensure_held(root)
+  finally:
+    held.release()
+  assert storage.read_bytes(path) == mine
+
+
+def test_release_stops_the_refresher_and_forgets_the_root(tmp_path,
+                                                          monkeypatch):
+  root, path, held = _held(tmp_path, monkeypatch, "0.6")
+  held.release()
+  assert not held._thread.is_alive()  # pylint: disable=protected-access
+  assert not storage.exists(path)
+  _steal(path)  # somebody else's now: this process holds nothing to lose
+  lease_lib.ensure_held(root)
+  time.sleep(0.4)  # a refresher left running would rewrite it
+  assert storage.read_bytes(path) == _thief()
+
+
+def test_a_lease_lapsed_unnoticed_leaves_its_lock_on_release(tmp_path,
+                                                             monkeypatch):
+  _, path, held = _held(tmp_path, monkeypatch)
+  mine = storage.read_bytes(path)
+  mono, wall = held._ok  # pylint: disable=protected-access
+  held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
+  held.release()  # nobody called check(): the age alone decides
+  assert storage.read_bytes(path) == mine
