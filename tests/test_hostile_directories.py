@@ -484,3 +484,9 @@ def test_what_is_not_a_checkpoint_directory(tmp_path):
   assert layout.is_checkpoint_directory(str(tmp_path))
   with pytest.raises(ValueError, match="^an empty path$"):
     layout.absolute("")
+
+
+def test_no_directory_contains_itself(tmp_path):
+  assert not layout.is_contained("/", "/")  # the one path with an empty name
+  assert not layout.is_contained(str(tmp_path), str(tmp_path))
+  assert not layout.is_contained(str(tmp_path), f"{tmp_path}/.")
