@@ -451,7 +451,8 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
   item directory with its own metadata; unfinished temporary step
   directories are reported (Orbax ignores them, a re-run of the migration
   replaces them). With `source`, each migrated step's leaf summary (paths,
-  dtypes, shapes) must equal the headers of the CLU `.flax` it came from.
+  dtypes, shapes) must equal the headers of the CLU `.flax` it came from,
+  on every host, and each host must still hold that checkpoint's `.index`.
   Array values are compared by `clu-ckpt migrate --verify`, which reads
   them back through Orbax.
 
