@@ -1,7 +1,7 @@
 """The object-store back end of `filesystem.FileSystem`: `gs://` and `s3://`.
 
 Built on fsspec (`gcsfs` for `gs://`, `s3fs` for `s3://`; the extras
-`clu_ckpt[gcs]` and `clu_ckpt[s3]` install them). TensorFlow is never
+`[gcs]` and `[s3]` of a checkout install them). TensorFlow is never
 imported here: a Colab reads a bucket's checkpoint with these two packages.
 
 How the store's semantics map onto the seam:
@@ -241,7 +241,8 @@ class FsspecFileSystem(filesystem.FileSystem):
     except ImportError as e:
       raise MissingBackendError(
           f"{self._scheme}:// paths need the `{package}` package: install "
-          f"it with `pip install clu_ckpt[{extra}]`") from e
+          f"it with `pip install {package}` (or `pip install -e '.[{extra}]'` "
+          "in a clu_ckpt checkout)") from e
     options: dict[str, Any] = {"skip_instance_cache": True,
                                "use_listings_cache": False}
     if package == "gcsfs":
