@@ -168,6 +168,17 @@ def test_install_hints_in_messages_name_a_checkout_not_pypi():
   assert not wrong, wrong
 
 
+def test_the_architecture_table_has_every_module():
+  text = (REPO / "README.md").read_text()
+  table = text[text.index("## Architecture"):]
+  table = table[:table.index("\n## ", 1)]
+  missing = [str(path.relative_to(REPO))
+             for path in sorted((REPO / "clu_ckpt").rglob("*.py"))
+             if f"`{path.relative_to(REPO)}`" not in table
+             and f"`{path.name}`" not in table]
+  assert not missing, f"README.md, Architecture: no row for {missing}"
+
+
 def test_the_marker_parser_sees_skips_and_guides(tmp_path, monkeypatch):
   monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
   (tmp_path / "x.md").write_text(textwrap.dedent("""\
