@@ -28,7 +28,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 from absl import logging as absl_logging
 
@@ -74,3 +74,47 @@ def quieted(verbose: bool = False) -> Iterator[None]:
     absl_logging.set_verbosity(verbosity)
     for name, level in levels.items():
       logging.getLogger(name).setLevel(level)
+
+
+_CLOSED_LOOP_FILTER = threading.Lock()
+_closed_loop_filter_installed = False
+
+
+def drop_closed_loop_callbacks() -> None:
+  """Drops one harmless unraisable exception, process-wide, from now on.
+
+  When an Orbax restore fails (a step that does not read back, in
+  `verify`), Orbax's event loop ends with the error while TensorStore still
+  completes the restore's other reads; TensorStore then hands each result to
+  the closed loop (`call_soon_threadsafe`) from its own threads, and Python
+  prints `RuntimeError: Event loop is closed` as an unraisable exception.
+  The results were discarded with the failed restore: nothing is lost. This
+  wraps `sys.unraisablehook` (once) so that exactly these are dropped; every
+  other unraisable exception still reaches the previous hook.
+  """
+  global _closed_loop_filter_installed
+  with _CLOSED_LOOP_FILTER:
+    if _closed_loop_filter_installed:
+      return
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+      if not _is_closed_loop_callback(unraisable):
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    _closed_loop_filter_installed = True
+
+
+def _is_closed_loop_callback(unraisable: Any) -> bool:
+  """Whether `unraisable` is a callback finding its event loop closed."""
+  error = unraisable.exc_value
+  if not (isinstance(error, RuntimeError) and
+          str(error) == "Event loop is closed"):
+    return False
+  tb = unraisable.exc_traceback
+  while tb is not None:
+    if tb.tb_frame.f_code.co_name == "call_soon_threadsafe":
+      return True
+    tb = tb.tb_next
+  return False
