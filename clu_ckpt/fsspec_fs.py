@@ -469,6 +469,26 @@ def _no_answer(endpoint: str) -> StoreUnreachableError:
 _CLASSES: dict[str, Any] = {}
 
 
+def _publish(kind: str, cls: Any) -> Any:
+  """Names `cls` as this module's attribute, so that pickle finds it."""
+  cls.__module__, cls.__qualname__ = __name__, cls.__name__
+  _CLASSES[kind] = cls
+  return cls
+
+
+def __getattr__(name: str) -> Any:
+  """The first-contact classes, made on first use (PEP 562).
+
+  They subclass gcsfs' and s3fs' classes, which are imported only when a
+  bucket is used; an unpickled file system asks for its class by name here.
+  """
+  if name == "FirstContactGCSFileSystem":
+    return _first_contact_gcs(__import__("gcsfs"))
+  if name == "FirstContactS3FileSystem":
+    return _first_contact_s3(__import__("s3fs"))
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _first_contact_gcs(gcsfs: Any) -> Any:
   """gcsfs' file system class, failing fast until the store first answers.
 
@@ -514,8 +534,7 @@ def _first_contact_gcs(gcsfs: Any) -> Any:
       self._answered = True
       return result
 
-  _CLASSES["gcs"] = FirstContactGCSFileSystem
-  return FirstContactGCSFileSystem
+  return _publish("gcs", FirstContactGCSFileSystem)
 
 
 def _first_contact_s3(s3fs: Any) -> Any:
@@ -559,8 +578,7 @@ def _first_contact_s3(s3fs: Any) -> Any:
       self._answered = True
       return result
 
-  _CLASSES["s3"] = FirstContactS3FileSystem
-  return FirstContactS3FileSystem
+  return _publish("s3", FirstContactS3FileSystem)
 
 
 def _package(fs: Any) -> str:

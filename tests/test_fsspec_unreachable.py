@@ -152,3 +152,18 @@ def test_once_the_store_answered_its_client_retries_again(gcs):
   assert not client._answered  # pylint: disable=protected-access
   assert not fs.exists(f"gs://{gcs.bucket()}/nothing")   # a 404 is an answer
   assert client._answered  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_the_file_systems_pickle_like_fsspecs_own(scheme, monkeypatch):
+  import pickle  # pylint: disable=g-import-not-at-top
+  _store_env(monkeypatch, f"http://127.0.0.1:{_refusing_port()}")
+  client = fsspec_fs.FsspecFileSystem(scheme).fs
+  copy = pickle.loads(pickle.dumps(client))
+  assert type(copy) is type(client) and not copy._answered  # pylint: disable=protected-access
+  done = subprocess.run(  # a fresh process finds the class by its name
+      [sys.executable, "-c", "import pickle, sys; "
+       "print(type(pickle.loads(sys.stdin.buffer.read())).__name__)"],
+      input=pickle.dumps(client), capture_output=True, timeout=120,
+      env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+  assert done.stdout.decode().strip() == type(client).__name__, done.stderr
