@@ -179,6 +179,31 @@ def test_the_architecture_table_has_every_module():
   assert not missing, f"README.md, Architecture: no row for {missing}"
 
 
+def _anchor(heading: str) -> str:
+  """The anchor GitHub gives a Markdown heading."""
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS + ("CHANGELOG.md", "docs/FIGURES.md",
+                                        "benchmarks/README.md"))
+def test_relative_links_reach_a_file_and_heading(doc):
+  text = (REPO / doc).read_text()
+  broken = []
+  for target in re.findall(r"\]\(([^)\s]+)\)", text):
+    if re.match(r"[a-z]+://", target):
+      continue
+    path, _, anchor = target.partition("#")
+    file = (REPO / doc).parent / path if path else REPO / doc
+    if not file.exists():
+      broken.append(target)
+    elif anchor and file.suffix == ".md":
+      headings = re.findall(r"^#+ (.*)$", file.read_text(), re.M)
+      if anchor not in {_anchor(h) for h in headings}:
+        broken.append(target)
+  assert not broken, f"{doc}: {broken}"
+
+
 def test_the_marker_parser_sees_skips_and_guides(tmp_path, monkeypatch):
   monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
   (tmp_path / "x.md").write_text(textwrap.dedent("""\
