@@ -315,7 +315,14 @@ class FsspecFileSystem(filesystem.FileSystem):
     return sorted(n for n in names if n)
 
   def glob(self, pattern: str) -> list[str]:
-    with self._naming(pattern):
+    """The objects and prefixes matching `pattern`, sorted.
+
+    Raises:
+      FileNotFoundError: The bucket does not exist; it names the directory
+        searched (the pattern up to its first wildcard's component), not
+        the pattern, which is the caller's, not the user's.
+    """
+    with self._naming(_searched(pattern)):
       found = self.fs.glob(self._key(pattern))
     return sorted(self._url(p) for p in found)
 
@@ -458,6 +465,18 @@ class FsspecFileSystem(filesystem.FileSystem):
         if _status(e) in (409, 412):
           raise FileExistsError(17, "already exists", path) from None
         raise
+
+
+def _searched(pattern: str) -> str:
+  """The directory a glob searches: `pattern` before its first wildcard.
+
+  Example::
+
+    _searched("gs://b/run1/checkpoints-*")   # "gs://b/run1"
+  """
+  m = re.search(r"[*?\[]", pattern)
+  head = pattern[:pattern.rfind("/", 0, m.start())] if m else pattern
+  return head if _SCHEME_RE.match(head) and split_url(head)[1] else pattern
 
 
 def _no_answer(endpoint: str) -> StoreUnreachableError:

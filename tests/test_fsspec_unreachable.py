@@ -167,3 +167,13 @@ def test_the_file_systems_pickle_like_fsspecs_own(scheme, monkeypatch):
       input=pickle.dumps(client), capture_output=True, timeout=120,
       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
   assert done.stdout.decode().strip() == type(client).__name__, done.stderr
+
+
+def test_a_glob_in_a_missing_bucket_names_the_directory_not_the_pattern(gcs):
+  del gcs  # the emulator, with no bucket of that name
+  fs = fsspec_fs.FsspecFileSystem("gs")
+  with pytest.raises(FileNotFoundError,
+                     match="bucket 'no-such-bucket-g4' does not exist") as e:
+    fs.glob("gs://no-such-bucket-g4/run1/checkpoints-*")
+  assert e.value.filename == "gs://no-such-bucket-g4/run1"
+  assert "*" not in str(e.value)
