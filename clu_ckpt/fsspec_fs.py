@@ -489,7 +489,7 @@ _CLASSES: dict[str, Any] = {}
 
 
 def _publish(kind: str, cls: Any) -> Any:
-  """Names `cls` as this module's attribute, so that pickle finds it."""
+  """Names `cls` as this module's attribute, so that a copy rebuilt by fsspec (`__reduce__`) finds it."""
   cls.__module__, cls.__qualname__ = __name__, cls.__name__
   _CLASSES[kind] = cls
   return cls
@@ -499,7 +499,7 @@ def __getattr__(name: str) -> Any:
   """The first-contact classes, made on first use (PEP 562).
 
   They subclass gcsfs' and s3fs' classes, which are imported only when a
-  bucket is used; an unpickled file system asks for its class by name here.
+  bucket is used; a file system rebuilt from `__reduce__` asks for its class by name here.
   """
   if name == "FirstContactGCSFileSystem":
     return _first_contact_gcs(__import__("gcsfs"))
