@@ -451,3 +451,42 @@ def multihost_latest(base_directory: str,
                "directory %s (checkpoint %d is the newest every host has)",
                base_directory, path, host, directory, found[0])
   return path
+
+
+def latest_restorable(directory: str,
+                      checkpoint_name: str = "ckpt") -> Optional[str]:
+  """The checkpoint a restore of `directory` reads by default.
+
+  The rule of `Checkpoint.get_latest_checkpoint_to_restore_from`: the latest
+  checkpoint TensorFlow's `checkpoint` file names, unless some of its files
+  are missing (a directory damaged outside clu_ckpt): then the newest
+  listed checkpoint whose files are all there, with a warning.
+
+  Example::
+
+    latest_restorable("/work/ckpts")   # "/work/ckpts/ckpt-7", or None
+
+  Args:
+    directory: A `Checkpoint` directory.
+    checkpoint_name: Unused by the rule (the name is read from the latest
+      path); kept for symmetry with `multihost_latest`.
+
+  Returns:
+    A checkpoint path, or None when the directory lists none.
+  """
+  del checkpoint_name
+  state = read_checkpoint_state(directory)
+  latest = None if state is None else state.model_checkpoint_path
+  listing: dict[str, set[str]] = {}
+  if latest is None or has_files(latest, listing):
+    return latest
+  parts = split_checkpoint(latest)
+  if parts is None:
+    return latest
+  for path in reversed(state.managed_checkpoints()):
+    number = checkpoint_number(path, parts[0])
+    if number is not None and number < parts[1] and has_files(path, listing):
+      logging.warning("Files of the latest checkpoint %s are missing; "
+                      "restoring %s instead", latest, path)
+      return path
+  return latest

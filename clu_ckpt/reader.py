@@ -219,8 +219,8 @@ def load_state_dict(path: str, *, subtree: Subtree = None,
 
 def _read_clu(path: str, subtree: Subtree, checkpoint: Any) -> Any:
   """As clu's `load_state_dict`: the latest (every host's newest common
-  one for a multihost base), or `checkpoint` read as given."""
-  from clu_ckpt import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  one for a multihost base, `layout.multihost_latest`; a directory's by
+  `layout.latest_restorable`), or `checkpoint` read as given."""
   if checkpoint is not None:
     checkpoint = str(checkpoint)
     if not storage.exists(f"{checkpoint}.flax"):
@@ -228,10 +228,18 @@ def _read_clu(path: str, subtree: Subtree, checkpoint: Any) -> Any:
         return flax_format.load_file(checkpoint, subtree=subtree)
       raise errors.CheckpointNotFoundError(
           _not_found(checkpoint, f"{checkpoint}.flax", path))
-  ckpt = ckpt_lib.Checkpoint(path)
-  latest = checkpoint or layout.multihost_latest(path, "ckpt")
-  return ckpt._read_flax(  # pylint: disable=protected-access
-      ckpt._checkpoint_or_latest(latest), latest, subtree)  # pylint: disable=protected-access
+    return flax_format.load_file(f"{checkpoint}.flax", subtree=subtree)
+  latest = layout.multihost_latest(path, "ckpt")
+  if latest is None:
+    latest = layout.latest_restorable(layout.normpath(path))
+  if latest is None:
+    raise errors.CheckpointNotFoundError(
+        f"No checkpoint found at {layout.normpath(path)}")
+  flax_path = f"{latest}.flax"
+  if not storage.exists(flax_path):
+    raise errors.CheckpointNotFoundError(
+        f"Checkpoint {latest} does not exist ({flax_path} not found)")
+  return flax_format.load_file(flax_path, subtree=subtree)
 
 
 def _not_found(requested: str, tried: str, base: str) -> str:
