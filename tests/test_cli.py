@@ -87,6 +87,21 @@ def test_missing_source_exits_1_with_a_message(tmp_path, capsys):
   assert json.loads(out)["ok"] is False
 
 
+@pytest.mark.parametrize("version", ["0.11.24", None])
+def test_migrate_with_too_old_orbax_is_one_line_and_writes_nothing(
+    tmp_path, capsys, golden_copy, monkeypatch, version):
+  from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
+  # Only the version number is simulated.
+  monkeypatch.setattr(orbax_target, "installed_orbax_version",
+                      lambda: version)
+  src = golden_copy("single_host")
+  done = _in_process(capsys, "migrate", src, tmp_path / "dst")
+  _assert_one_line_error(done, 1, "orbax-checkpoint >= ",
+                         version or "not installed", "pip install")
+  assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+  assert not (tmp_path / "dst").exists()
+
+
 def test_usage_errors_exit_2(tmp_path):
   with pytest.raises(SystemExit) as e:
     cli.main(["migrate", str(tmp_path), str(tmp_path / "d"), "--latest",

@@ -106,6 +106,76 @@ def test_missing_private_api_raises_a_clear_error(monkeypatch, tmp_path):
   assert orbax_target.list_steps(str(tmp_path / "dst")) == ([], [])
 
 
+# --------------------------------------------------------------------------
+# The orbax-checkpoint the migration needs.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.12.5", "0.12.8", "0.13.0", "1.0"])
+def test_orbax_versions_the_migration_writes_with(version):
+  orbax_target.check_orbax_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.12.4", "0.11.24", "0.11.40", "0.6.4",
+                                     None, "unknown"])
+def test_too_old_or_missing_orbax_is_one_line_naming_versions_and_remedy(
+    version):
+  with pytest.raises(errors.MigrationError) as e:
+    orbax_target.check_orbax_version(version)
+  message = str(e.value)
+  assert "\n" not in message
+  assert f">= {orbax_target.MIN_ORBAX_VERSION}" in message
+  assert (f"is {version}" if version else "not installed") in message
+  assert "python -m venv" in message and "[orbax]" in message
+  assert "nothing was written" in message
+
+
+def test_the_installed_orbax_passes_and_is_read_without_importing_it():
+  script = ("import sys\n"
+            "from clu_ckpt.migration import orbax_target\n"
+            "orbax_target.require_orbax()\n"
+            "print(orbax_target.installed_orbax_version())\n"
+            "assert 'orbax.checkpoint' not in sys.modules\n")
+  done = subprocess.run([sys.executable, "-c", script], check=True,
+                        capture_output=True, text=True)
+  assert done.stdout.strip() == metadata.version("orbax-checkpoint")
+
+
+def test_the_minimum_is_where_orbax_takes_deepcopy_host_arrays():
+  # What the bounded handler passes exists in the installed Orbax (checked by
+  # `check_private_api`), which is at least the minimum.
+  assert "deepcopy_host_arrays" in inspect.signature(
+      ocp.type_handlers.NumpyHandler.__init__).parameters
+
+  class Old(ocp.type_handlers.NumpyHandler):
+    def __init__(self, metadata_key=None):  # pylint: disable=super-init-not-called
+      pass
+  with pytest.raises(errors.PrivateApiError, match="deepcopy_host_arrays"):
+    orbax_target.check_private_api(Old)
+
+
+@pytest.mark.parametrize("version", ["0.11.24", None])
+def test_migrate_with_too_old_orbax_stops_before_writing_anything(
+    tmp_path, monkeypatch, version):
+  src = tmp_path / "src"
+  ckpt = clu_checkpoint.Checkpoint(str(src))
+  for step in (1, 2):
+    ckpt.save(_state(step))
+  # Only the version number is simulated; Orbax itself is the real one.
+  monkeypatch.setattr(orbax_target, "installed_orbax_version",
+                      lambda: version)
+  for dry_run in (False, True):
+    with pytest.raises(errors.MigrationError, match="orbax-checkpoint >= "):
+      migration.migrate(str(src), str(tmp_path / "dst"), dry_run=dry_run)
+  assert not (tmp_path / "dst").exists()
+  # A target used directly refuses too, before writing.
+  target = orbax_target.OrbaxTarget(str(tmp_path / "dst"))
+  with pytest.raises(errors.MigrationError):
+    target.write_step(1, {"state": {"a": np.ones(2)}, "metadata": {}},
+                      lambda n: None)
+  assert not (tmp_path / "dst").exists()
+
+
 def test_private_api_with_another_signature_is_refused():
   class Changed:
     async def _background_serialize(self, values, infos):  # pylint: disable=unused-argument

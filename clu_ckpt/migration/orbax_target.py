@@ -8,6 +8,12 @@ own handlers, with a bounded numpy handler (a byte budget, a read-ahead of
 memory-mapped arrays and a heap trimmer) so memory stays small whatever the
 checkpoint size.
 
+Writing needs orbax-checkpoint >= `MIN_ORBAX_VERSION`: `require_orbax`
+(called by `migrate` before it reads or writes anything, and by
+`OrbaxTarget.write_step`) raises a one-line `MigrationError` naming the
+installed and the required version and the command that makes a migration
+environment; reading a migrated root works with older Orbax too.
+
 This is the one module that relies on Orbax behaviour outside its public
 API, checked against the versions in `CHECKED_ORBAX_VERSIONS`:
 `NumpyHandler._background_serialize` (`PRIVATE_API`, checked at use time;
@@ -39,6 +45,7 @@ import abc
 import asyncio
 import inspect
 import math
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -63,6 +70,14 @@ DEFAULT_INFLIGHT_BYTES = 128 * 2**20
 # (TensorStore, Orbax; the same locally), so the extra memory is below a
 # quarter of the checkpoint's size from checkpoints of about 1 GB up.
 REMOTE_INFLIGHT_BYTES = 16 * 2**20
+
+# The oldest orbax-checkpoint the migration writes with: its `NumpyHandler`
+# takes `deepcopy_host_arrays` from 0.12.5 on (before, it deep-copies every
+# array: memory grows to the checkpoint's size). Checked once, before a
+# migration reads or writes anything (`require_orbax`).
+MIN_ORBAX_VERSION = "0.12.5"
+# Where the command that makes a migration environment installs it.
+MIGRATION_ENV = "~/clu-ckpt-migrate"
 
 # The private Orbax API the bounded handler overrides, and the
 # orbax-checkpoint versions it was checked against.
@@ -282,10 +297,13 @@ class OrbaxTarget(Target):
     GCS the uncommitted step has the final name.
 
     Raises:
+      MigrationError: orbax-checkpoint is older than `MIN_ORBAX_VERSION`
+        (or missing): nothing is written.
       UsageError: `saved_at` is not a finite non-negative time.
       PrivateApiError: This Orbax did not record the commit time as
         `COMMIT_TIME_API` says (the step is removed again).
     """
+    require_orbax()
     commit_nsecs = _commit_nsecs(saved_at)
     self.remove_partial(step)
     try:
@@ -509,6 +527,85 @@ def orbax_version() -> str:
     return "unknown"
 
 
+def installed_orbax_version() -> Optional[str]:
+  """The installed orbax-checkpoint version, or None when it is not
+  installed (read from the package metadata: Orbax is not imported)."""
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  try:
+    return metadata.version("orbax-checkpoint")
+  except metadata.PackageNotFoundError:
+    return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+  """The numeric release of a version string: "0.12.5rc1" -> (0, 12, 5)."""
+  parts = []
+  for part in version.strip().split("."):
+    digits = ""
+    for char in part:
+      if not char.isdigit():
+        break
+      digits += char
+    if not digits:
+      break
+    parts.append(int(digits))
+    if digits != part:
+      break
+  return tuple(parts)
+
+
+def migration_env_command() -> str:
+  """The shell command that makes an environment the migration runs in.
+
+  It installs this checkout of clu_ckpt with its `[orbax]` extra (the
+  package installs from a checkout), into a virtual environment of its own
+  so that the training environment's jax and Orbax stay as they are.
+  """
+  package = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  checkout = package if os.path.exists(
+      os.path.join(package, "setup.py")) else "<clu_ckpt checkout>"
+  return (f"python -m venv {MIGRATION_ENV} && {MIGRATION_ENV}/bin/pip "
+          f"install -e '{checkout}[orbax]'")
+
+
+def check_orbax_version(version: Optional[str]) -> None:
+  """Refuses an orbax-checkpoint the migration cannot write with.
+
+  Example::
+
+    check_orbax_version("0.12.8")    # fine
+    check_orbax_version("0.11.24")   # MigrationError
+    check_orbax_version(None)        # MigrationError: not installed
+
+  Args:
+    version: The installed orbax-checkpoint version; None: not installed.
+
+  Raises:
+    MigrationError: `version` is None, unreadable or older than
+      `MIN_ORBAX_VERSION`; one line naming the installed and the required
+      version and the command that makes a migration environment.
+  """
+  release = _release(version) if version else ()
+  if release and release >= _release(MIN_ORBAX_VERSION):
+    return
+  installed = ("orbax-checkpoint is not installed" if version is None else
+               f"the installed orbax-checkpoint is {version}")
+  raise errors.MigrationError(
+      f"migrating needs orbax-checkpoint >= {MIN_ORBAX_VERSION} and "
+      f"{installed}; nothing was written. Make a migration environment of "
+      f"its own and run clu-ckpt from it: {migration_env_command()}")
+
+
+def require_orbax() -> None:
+  """`check_orbax_version` of the installed orbax-checkpoint.
+
+  Raises:
+    MigrationError: See `check_orbax_version`.
+  """
+  check_orbax_version(installed_orbax_version())
+
+
 def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
   """The private `NumpyHandler._background_serialize`, or PrivateApiError.
 
@@ -539,6 +636,15 @@ def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
         f"{PRIVATE_API}{PRIVATE_API_PARAMETERS}, checked against "
         f"orbax-checkpoint {checked}; in the installed orbax-checkpoint "
         f"{orbax_version()} it takes {parameters}. Install "
+        f"orbax-checkpoint=={CHECKED_ORBAX_VERSIONS[-1]}.")
+  init = inspect.signature(handler_cls.__init__).parameters
+  if "deepcopy_host_arrays" not in init and not any(
+      p.kind is inspect.Parameter.VAR_KEYWORD for p in init.values()):
+    raise errors.PrivateApiError(
+        f"clu_ckpt's migration writes arrays without Orbax's defensive copy "
+        f"(NumpyHandler(deepcopy_host_arrays=False), orbax-checkpoint >= "
+        f"{MIN_ORBAX_VERSION}); the installed orbax-checkpoint "
+        f"{orbax_version()} does not take it. Install "
         f"orbax-checkpoint=={CHECKED_ORBAX_VERSIONS[-1]}.")
   return method
 

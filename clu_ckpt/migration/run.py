@@ -170,7 +170,9 @@ def migrate(source: str,
     directory exists for them.
 
   Raises:
-    MigrationError: The source or the options are unusable (including a
+    MigrationError: orbax-checkpoint is missing or older than
+      `orbax_target.MIN_ORBAX_VERSION` (the default target; checked before
+      anything is read or written), the source or the options are unusable (including a
       `target` with a root other than `destination`, or with `compression`
       or `inflight_bytes` given too, and an `s3://` destination, refused
       before anything is read or written), or the destination holds another
@@ -184,6 +186,9 @@ def migrate(source: str,
   if compression not in COMPRESSIONS:
     raise MigrationError(f"unknown compression {compression!r}; use one of "
                          f"{', '.join(COMPRESSIONS)}")
+  if target is None or isinstance(target, orbax_target.OrbaxTarget):
+    # Once, before anything is read or written: not a TypeError per step.
+    orbax_target.require_orbax()
   destination = layout.absolute(destination)
   if target is None:
     try:
