@@ -495,3 +495,83 @@ def test_relative_and_file_url_roots(tmp_path, monkeypatch):
       "clu_checkpoint": "ckpt-1"}
   with _manager(tmp_path / "runs" / "url") as mngr:
     assert mngr.all_steps() == [2]
+
+
+# --------------------------------------------------------------------------
+# A stock CheckpointManager restoring a migrated root.
+# --------------------------------------------------------------------------
+
+_NO_HANDLER_WARNING = "could not be restored"
+
+
+def _migrated_root(tmp_path):
+  """A root migrated from a real clu run with an iterator: three items."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  it = iter(tf.data.Dataset.range(100).batch(4))
+  next(it)
+  src = tmp_path / "src"
+  ckpt = clu_checkpoint.Checkpoint(str(src), {"ds": it})
+  states = [_state(10), _state(20, scale=2.0)]
+  for state in states:
+    ckpt.save(state)
+  assert migration.migrate(str(src), str(tmp_path / "dst")).ok
+  return tmp_path / "dst", states
+
+
+def _orbax_warnings(caplog):
+  return [r.getMessage() for r in caplog.records
+          if _NO_HANDLER_WARNING in r.getMessage()]
+
+
+def test_item_handlers_make_a_plain_restore_silent_and_exact(tmp_path,
+                                                             caplog):
+  root, states = _migrated_root(tmp_path)
+  caplog.set_level("INFO")
+  with ocp.CheckpointManager(
+      root, item_handlers=migration.item_handlers()) as mngr:
+    restored = mngr.restore(20)
+  assert _orbax_warnings(caplog) == []
+  assert sorted(restored.keys()) == ["dataset", "metadata", "state"]
+  meta = restored["metadata"]
+  state = migration.decode_state(restored["state"], meta["encoded"],
+                                 [leaf["path"] for leaf in meta["leaves"]])
+  expected = states[1]
+  assert state["step"] == expected["step"]
+  assert state["params"]["w"].dtype == np.float32
+  assert state["params"]["w"].tobytes() == expected["params"]["w"].tobytes()
+  assert state["opt"] == expected["opt"]
+  assert restored["dataset"]["process_0"]["index"].dtype == np.uint8
+  # The guard of the assertion above: without them, this Orbax warns.
+  caplog.clear()
+  with ocp.CheckpointManager(root) as mngr:
+    plain = mngr.restore(20)
+  assert len(_orbax_warnings(caplog)) == 6
+  assert plain["state"]["params"]["w"].tobytes() == (
+      restored["state"]["params"]["w"].tobytes())
+
+
+def test_steps_record_item_handlers_exactly_as_orbax_records_its_own(
+    tmp_path, caplog):
+  # A plain `CheckpointManager(root).restore(step)` picks each item's handler
+  # from what the step records; Orbax's own steps with the same items record
+  # the same, and a plain restore of them warns the same.
+  root, _ = _migrated_root(tmp_path)
+  own = tmp_path / "own"
+  with ocp.CheckpointManager(own) as mngr:
+    mngr.save(20, args=ocp.args.Composite(
+        state=ocp.args.PyTreeSave({"a": np.arange(3)}),
+        dataset=ocp.args.PyTreeSave({"b": np.arange(2)}),
+        metadata=ocp.args.JsonSave({"c": 1})))
+  def recorded(r):
+    return json.loads((r / "20" / "_CHECKPOINT_METADATA").read_text())[
+        "item_handlers"]
+  assert recorded(root) == recorded(own)
+  caplog.set_level("INFO")
+  counts = []
+  for r in (root, own):
+    caplog.clear()
+    with ocp.CheckpointManager(r) as mngr:
+      assert sorted(mngr.restore(20).keys()) == [
+          "dataset", "metadata", "state"]
+    counts.append(len(_orbax_warnings(caplog)))
+  assert counts[0] == counts[1]

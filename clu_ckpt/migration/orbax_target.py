@@ -436,6 +436,41 @@ class OrbaxTarget(Target):
         item, args=ocp.args.PyTreeRestore())
 
 
+def item_handlers(*, standard_state: bool = False) -> dict[str, Any]:
+  """The item handlers that make a stock `CheckpointManager` quiet.
+
+  A `CheckpointManager` made without them restores a migrated step with a
+  plain `restore(step)` all the same (it finds each item's handler in the
+  step's `_CHECKPOINT_METADATA`, where the migration records them exactly
+  as Orbax records its own items), but orbax-checkpoint 0.12 logs two
+  "Item ... could not be restored. Please provide a
+  `CheckpointHandlerRegistry`" warnings per item first, on its own roots
+  too. Given these, `restore(step)` is silent and returns every item.
+
+  Example::
+
+    import orbax.checkpoint as ocp
+    from clu_ckpt import migration
+
+    mngr = ocp.CheckpointManager(
+        "/runs/a/orbax", item_handlers=migration.item_handlers())
+    restored = mngr.restore(mngr.latest_step())   # state, metadata, dataset
+
+  Args:
+    standard_state: The steps were migrated with a template (`--template`):
+      their `state` item is a StandardSave's.
+
+  Returns:
+    {item name: a new Orbax handler} for `state`, `dataset`, `metadata`.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  state = (ocp.handlers.StandardCheckpointHandler() if standard_state else
+           ocp.handlers.PyTreeCheckpointHandler())
+  return {STATE_ITEM: state,
+          DATASET_ITEM: ocp.handlers.PyTreeCheckpointHandler(),
+          METADATA_ITEM: ocp.handlers.JsonCheckpointHandler()}
+
+
 def read_metadata(destination: str, step: int, *,
                   step_prefix: Optional[str] = None,
                   step_format_fixed_length: Optional[int] = None
