@@ -179,37 +179,6 @@ def _quiet_libraries(verbose: bool) -> Iterator[None]:
       logging.getLogger(name).setLevel(level)
 
 
-def _import_tensorflow_quietly() -> None:
-  """Imports TensorFlow (if installed) with its C++ start-up banner muted.
-
-  TensorFlow's native logging prints to file descriptor 2 at import time and
-  ignores `TF_CPP_MIN_LOG_LEVEL` for some messages.
-  """
-  with _file_descriptor_2_muted():
-    try:
-      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
-      pass
-
-
-@contextlib.contextmanager
-def _file_descriptor_2_muted() -> Iterator[None]:
-  try:
-    saved = os.dup(2)
-  except OSError:  # No usable descriptor 2: nothing to mute.
-    yield
-    return
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  try:
-    sys.stderr.flush()
-    os.dup2(devnull, 2)
-    yield
-  finally:
-    os.dup2(saved, 2)
-    os.close(saved)
-    os.close(devnull)
-
-
 # --------------------------------------------------------------------------
 # inspect and verify
 # --------------------------------------------------------------------------
@@ -414,8 +383,6 @@ def _run_migrate(args: argparse.Namespace) -> int:
     print(f"clu-ckpt migrate: error: --template {args.template!r}: expected "
           "MODULE:FUNCTION", file=sys.stderr)
     return 2
-  if not args.verbose and not args.dry_run:
-    _import_tensorflow_quietly()
   template = None
   if args.template is not None:
     try:

@@ -102,6 +102,28 @@ def test_migrate_with_too_old_orbax_is_one_line_and_writes_nothing(
   assert not (tmp_path / "dst").exists()
 
 
+def test_migrate_of_a_run_with_an_iterator_imports_no_tensorflow(
+    tmp_path, golden_copy):
+  # The iterator's files are copied and checked (checksums, framing) without
+  # TensorFlow, which would cost seconds of every `clu-ckpt migrate`.
+  src = golden_copy("single_host")
+  script = ("import sys\n"
+            "from clu_ckpt import cli\n"
+            "code = cli.main(['migrate', sys.argv[1], sys.argv[2]])\n"
+            "assert code == 0, code\n"
+            "print(sorted(m for m in sys.modules\n"
+            "             if m.split('.')[0] == 'tensorflow'))\n")
+  done = subprocess.run([sys.executable, "-c", script, str(src),
+                         str(tmp_path / "dst")], capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+  with ocp.CheckpointManager(str(tmp_path / "dst"), item_handlers=(
+      migration.item_handlers())) as mngr:
+    restored = mngr.restore(mngr.latest_step())
+  assert "ds_iter" in json.dumps(restored["metadata"]["dataset"])
+
+
 def test_usage_errors_exit_2(tmp_path):
   with pytest.raises(SystemExit) as e:
     cli.main(["migrate", str(tmp_path), str(tmp_path / "d"), "--latest",
