@@ -586,3 +586,44 @@ def test_ctrl_c_during_verify_is_one_line(tmp_path):
   assert proc.returncode == 130, proc.stdout + proc.stderr
   assert proc.stderr.strip().splitlines() == [
       f"clu-ckpt verify: interrupted: {src} not finished"], proc.stderr
+
+
+def test_verify_with_the_wrong_source_names_the_recorded_one(
+    tmp_path, capsys, golden_copy):
+  src = golden_copy("single_host")
+  assert cli.main(["migrate", str(src), str(tmp_path / "dst")]) == 0
+  other = tmp_path / "other"
+  other.mkdir()
+  capsys.readouterr()
+  done = _in_process(capsys, "verify", tmp_path / "dst", "--source", other)
+  assert done.returncode == 1
+  first = done.stdout.splitlines()[0]
+  assert first.startswith(f"PROBLEM: {other}: not the source"), done.stdout
+  assert f"--source {src}" in first
+  # The right source: no such line, and it verifies.
+  done = _in_process(capsys, "verify", tmp_path / "dst", "--source", src)
+  assert done.returncode == 0, done.stdout
+  assert "not the source" not in done.stdout
+
+
+def test_inspect_a_missing_step_of_a_migrated_root_hints_at_the_mapping(
+    tmp_path, capsys, golden_copy):
+  src = golden_copy("single_host")
+  assert cli.main(["migrate", str(src), str(tmp_path / "dst"), "--json"]) == 0
+  mapping = {s["number"]: s["step"] for s in json.loads(
+      capsys.readouterr().out)["steps"]}
+  number = max(mapping)
+  assert number not in mapping.values()
+  done = _in_process(capsys, "inspect", tmp_path / "dst", "--checkpoint",
+                     number)
+  _assert_one_line_error(done, 1, f"No step {number}",
+                         f"migrated to step {mapping[number]}",
+                         f"--checkpoint {mapping[number]}")
+  missing = 10**9 + 7
+  done = _in_process(capsys, "inspect", tmp_path / "dst", "--checkpoint",
+                     missing)
+  _assert_one_line_error(done, 1, f"No step {missing}", "not a CLU "
+                         "checkpoint number", *[f"-> {s}" for s in
+                                                mapping.values()])
+  assert _in_process(capsys, "inspect", tmp_path / "dst", "--checkpoint",
+                     mapping[number]).returncode == 0
