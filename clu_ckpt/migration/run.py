@@ -119,11 +119,10 @@ def migrate(source: str,
   TensorStore writes the arrays to the bucket itself, where Orbax commits a
   step by writing `commit_success.txt` last (there is no rename): a step
   without it is unfinished, is not listed, and is removed and written again
-  by the next run. TensorFlow is not needed: the iterator's files are
-  copied byte for byte, their index read and their layout checked without
-  it; where it is installed, TensorFlow also checks the iterator's values
-  (from a temporary local copy when they are in a bucket; see
-  `orbax_items.tf_state_names`).
+  by the next run. TensorFlow is not needed, nor imported: the iterator's files are
+  copied byte for byte, their index read and their values checked (bounds,
+  crc32c, the framing of the iterator state) as TensorFlow's reader checks
+  them (see `orbax_items.tf_state_names`).
 
   Args:
     source: A CLU `Checkpoint` base directory or `MultihostCheckpoint` base
