@@ -4,6 +4,7 @@ Synopsis::
 
   python benchmarks/bench_migration.py --size_gib 2 --runs 3 --json out.json
   python benchmarks/bench_migration.py --from_json out.json   # report again
+  python benchmarks/bench_migration.py --tiny --runs 5   # a tiny run's process
   python benchmarks/bench_migration.py --size_gib 26 --runs 1 \
       --methods clu_ckpt_zstd            # a checkpoint larger than RAM
   # Two trees (or settings) side by side in one run:
@@ -91,6 +92,10 @@ _KEEP = flags.DEFINE_bool("keep", False, "Keep the source after the runs.")
 _WARM = flags.DEFINE_bool(
     "warm", False, "Diagnosis only: read the source into the page cache "
     "before each run instead of dropping it (no disk reads).")
+_TINY = flags.DEFINE_bool(
+    "tiny", False, "Instead: time whole `clu-ckpt migrate` processes of a "
+    "tiny run (two small checkpoints with a tf.data iterator), beside "
+    "`python -c 'import orbax.checkpoint'` and an empty interpreter.")
 _CHILD = flags.DEFINE_string("child", None, "Internal: run one method.")
 _SOURCE = flags.DEFINE_string("source", None, "Internal: source directory.")
 _DEST = flags.DEFINE_string("dest", None, "Internal: destination directory.")
@@ -586,8 +591,90 @@ def report(data: dict) -> str:
   return "\n".join(lines)
 
 
+def _make_tiny_source(directory: str) -> None:
+  """Two small checkpoints with a tf.data iterator, as `clu.checkpoint`
+  writes them."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  ds_iter = iter(tf.data.Dataset.range(1000).batch(4))
+  ckpt = checkpoint.Checkpoint(directory, dict(ds_iter=ds_iter))
+  for step in (100, 200):
+    next(ds_iter)
+    ckpt.save({"step": np.int64(step),
+               "params": {"w": np.arange(6, dtype=np.float32) * step},
+               "opt": {"lr": 0.1, "name": "sgd"}})
+
+
+def _timed(argv: list[str], tree: str | None = None) -> tuple[float, float]:
+  """(wall, CPU) seconds of a fresh process running `argv` (with clu_ckpt
+  imported from `tree` when given)."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  if tree:
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (tree, env.get("PYTHONPATH")) if p)
+  before = os.times()
+  start = time.perf_counter()
+  subprocess.run(argv, check=True, capture_output=True, cwd="/", env=env)
+  wall = time.perf_counter() - start
+  after = os.times()
+  return wall, (after.children_user - before.children_user +
+                after.children_system - before.children_system)
+
+
+def tiny(workdir: str, runs: int, trees: dict[str, str]) -> str:
+  """Whole `clu-ckpt migrate` processes of a tiny run, side by side with
+  the import of Orbax alone (the floor of any migration through Orbax) and
+  an empty interpreter, one of each per round; medians, with the load.
+  Each of `trees` (label -> path) adds the command with clu_ckpt from
+  there."""
+  source = os.path.join(workdir, "tiny_source")
+  dest = os.path.join(workdir, "tiny_out")
+  shutil.rmtree(source, ignore_errors=True)
+  _make_tiny_source(source)
+  commands = {
+      "clu-ckpt migrate (tiny run)": [sys.executable, "-m", "clu_ckpt",
+                                      "migrate", source, dest],
+      "python -c 'import orbax.checkpoint'": [
+          sys.executable, "-c", "import orbax.checkpoint"],
+      "python -c 'pass'": [sys.executable, "-c", "pass"],
+  }
+  tree_of = {}
+  for label, path in sorted(trees.items()):
+    name = f"clu-ckpt migrate (tiny run), tree {label}"
+    commands[name] = commands["clu-ckpt migrate (tiny run)"]
+    tree_of[name] = path
+  times = {name: [] for name in commands}
+  loads = []
+  for _ in range(runs):
+    for name, argv in commands.items():
+      shutil.rmtree(dest, ignore_errors=True)
+      times[name].append(_timed(argv, tree_of.get(name)))
+    loads.append(os.getloadavg()[0])
+  shutil.rmtree(dest, ignore_errors=True)
+  shutil.rmtree(source, ignore_errors=True)
+  lines = [f"Whole processes, median of {runs} rounds (range); "
+           f"{os.cpu_count()} CPUs, 1-minute load average "
+           f"{min(loads):.1f}-{max(loads):.1f}.\n",
+           "| process | wall s | CPU s (user + system) |", "|---|---|---|"]
+  for name, ts in times.items():
+    walls, cpus = [t[0] for t in ts], [t[1] for t in ts]
+    lines.append(f"| {name} | {statistics.median(walls):.2f} "
+                 f"({min(walls):.2f}-{max(walls):.2f}) | "
+                 f"{statistics.median(cpus):.2f} ({min(cpus):.2f}-"
+                 f"{max(cpus):.2f}) |")
+  return "\n".join(lines)
+
+
 def main(argv):
   del argv
+  if _TINY.value:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))))
+    os.makedirs(_WORKDIR.value, exist_ok=True)
+    print(tiny(_WORKDIR.value, _RUNS.value,
+               dict(t.split("=", 1) for t in _TREES.value)))
+    return
   if _CHILD.value:
     print(json.dumps(_child(_CHILD.value, _SOURCE.value, _DEST.value)))
     return
