@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import inspect
 import math
 import os
@@ -562,9 +563,11 @@ def orbax_version() -> str:
     return "unknown"
 
 
+@functools.lru_cache(maxsize=1)
 def installed_orbax_version() -> Optional[str]:
   """The installed orbax-checkpoint version, or None when it is not
-  installed (read from the package metadata: Orbax is not imported)."""
+  installed (read from the package metadata once per process: Orbax is not
+  imported)."""
   from importlib import metadata  # pylint: disable=g-import-not-at-top
   try:
     return metadata.version("orbax-checkpoint")
