@@ -27,7 +27,13 @@ Sessions:
   migration_oldest: the migration's own environment at the lowest versions
     `[orbax]` declares: orbax-checkpoint 0.12.0 with jax 0.6.0 (and its
     tensorstore), running the migration and Orbax tests.
+  bounds: `pip install --dry-run` of clu_ckpt and each extra with every
+    requirement pinned to the oldest release line setup.py declares.
 """
+
+import ast
+import pathlib
+import re
 
 import nox
 
@@ -119,3 +125,46 @@ def migration_oldest(session: nox.Session) -> None:
   """The migration on orbax-checkpoint 0.12.0 and jax 0.6.0."""
   _install(session, "orbax,tf", MIGRATION_OLDEST)
   _pytest(session, *MIGRATION_TESTS)
+
+
+def _declared_lower_bounds() -> dict[str, list[str]]:
+  """Each extra's requirements (with the core ones) at their lowest line.
+
+  `name>=1.2` becomes `name==1.2.*`: the oldest release line setup.py
+  declares, which pip must be able to install together.
+  """
+  text = (pathlib.Path(__file__).parent / "setup.py").read_text()
+  lists = {name: ast.literal_eval(value) for name, value in re.findall(
+      r"^(_[A-Z0-9_]+) = (\[[^\]]*\])", text, re.M)}
+  core = ast.literal_eval(re.search(r"install_requires=(\[[^\]]*\])",
+                                    text).group(1))
+  extras = {"": [], "tf": lists["_TF"], "jax": lists["_JAX"],
+            "orbax": lists["_ORBAX"], "gcs": lists["_GCS"], "s3": lists["_S3"],
+            "tf,jax": lists["_TF"] + lists["_JAX"]}
+  extras["all"] = [r for k in ("tf", "jax", "orbax", "gcs", "s3")
+                   for r in extras[k]] + lists["_WITH_ORBAX"]
+  lowest = {}
+  for extra, requirements in extras.items():
+    pins = {}
+    for requirement in core + requirements:
+      name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)>=([0-9.]+)",
+                                   requirement).groups()
+      # Two bounds on one package (jax in [jax] and [orbax]): the higher.
+      if name not in pins or _numbers(version) > _numbers(pins[name]):
+        pins[name] = version
+    lowest[extra] = [f"{n}=={v}.*" for n, v in pins.items()]
+  return lowest
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+  return tuple(int(n) for n in version.split("."))
+
+
+@nox.session(python=PYTHON)
+def bounds(session: nox.Session) -> None:
+  """Every extra resolves with the oldest versions it declares."""
+  for extra, pins in _declared_lower_bounds().items():
+    target = f"-e.[{extra}]" if extra else "-e."
+    session.log(f"{target} with {' '.join(pins)}")
+    session.run("python", "-m", "pip", "install", "--dry-run", "--quiet",
+                "--ignore-installed", target, *pins)

@@ -684,6 +684,8 @@ def test_chunked_arrays_with_a_small_chunk_size(state, data, workdir):
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(serialization, "MAX_CHUNK_SIZE", _SMALL_CHUNK)
     patch.setattr(flax_format, "CHUNK_BYTES", _SMALL_CHUNK)
+    if _flax_error(state) is not None:  # see test_writer_matches_flax_to_...
+      return
     want = serialization.to_bytes(state)
     assert flax_format.save(state) == want
     path = workdir / "chunked.flax"
@@ -765,6 +767,8 @@ def test_chunked_array_over_one_gib(tmp_path):
 @_ZOO_SETTINGS
 @given(state=_ZOO, data=st.data())
 def test_reader_matches_flax_msgpack_restore_over_zoo(state, data, workdir):
+  if _flax_error(state) is not None:  # see test_writer_matches_flax_to_...
+    return
   encoded = serialization.to_bytes(state)
   got = flax_format.load(encoded)
   _assert_same_as_flax(got, encoded)
