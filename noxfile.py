@@ -92,6 +92,14 @@ def _install(session: nox.Session, extras: str, pins: list[str]) -> None:
   # One resolution: clu_ckpt's own bounds must hold beside the pinned stack.
   session.install(f"-e.[{extras}]", *pins, *TEST_TOOLS)
   session.run("python", "-m", "pip", "check")
+  # Installing clu_ckpt into this stack again must change nothing else: the
+  # drop-in never makes pip upgrade a user's TensorFlow, jax or flax.
+  out = session.run("python", "-m", "pip", "install", "--dry-run",
+                    f"-e.[{extras}]", silent=True)
+  would = [line.split()[2:] for line in out.splitlines()
+           if line.startswith("Would install")]
+  if any(not p.startswith("clu_ckpt-") for w in would for p in w):
+    session.error(f"installing clu_ckpt[{extras}] would change {would}")
 
 
 def _pytest(session: nox.Session, *default: str) -> None:
