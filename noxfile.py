@@ -6,7 +6,7 @@ has) plus clu_ckpt with its extras, resolved in one pip call so that a bound
 in setup.py that does not hold fails the install, then runs the test suite.
 Tests compare with the installed versions' own behaviour (Flax's bytes,
 TensorFlow's state-file reading); the Orbax-writing tests (migration, Orbax
-items) skip with a reason on an Orbax before 0.12. README.md, "Support
+items) skip with a reason on an Orbax before 0.12.5. README.md, "Support
 matrix", has the figures of the last run.
 
 Synopsis::
@@ -25,8 +25,9 @@ Sessions:
   middle: tensorflow-cpu 2.18.1, jax 0.5.3, flax 0.10.6, numpy 2.0, Orbax 0.11.
   newest: the `.[test]` pins (what CI runs).
   migration_oldest: the migration's own environment at the lowest versions
-    `[orbax]` declares: orbax-checkpoint 0.12.0 with jax 0.6.0 (and its
-    tensorstore), running the migration and Orbax tests.
+    `[orbax]` declares: orbax-checkpoint 0.12.5 (the first with the
+    `NumpyHandler(deepcopy_host_arrays=...)` the migration uses) with jax
+    0.6.0 and tensorstore 0.1.84, running the migration and Orbax tests.
   bounds: `pip install --dry-run` of clu_ckpt and each extra with every
     requirement pinned to the oldest release line setup.py declares.
 """
@@ -72,7 +73,7 @@ STACKS = {
 
 # The migration's environment at the lowest versions `[orbax]` declares.
 MIGRATION_OLDEST = [
-    "orbax-checkpoint==0.12.0", "jax==0.6.0", "jaxlib==0.6.0",
+    "orbax-checkpoint==0.12.5", "jax==0.6.0", "jaxlib==0.6.0",
     "tensorstore==0.1.84", "flax==0.10.6", "tensorflow-cpu==2.21.0",
     "clu==0.0.12",
 ]
@@ -130,7 +131,7 @@ def newest(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def migration_oldest(session: nox.Session) -> None:
-  """The migration on orbax-checkpoint 0.12.0 and jax 0.6.0."""
+  """The migration on orbax-checkpoint 0.12.5 and jax 0.6.0."""
   _install(session, "orbax,tf", MIGRATION_OLDEST)
   _pytest(session, *MIGRATION_TESTS)
 

@@ -83,12 +83,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 # --------------------------------------------------------------------------
-# Orbax: the migration and the Orbax items need orbax-checkpoint >= 0.12
+# Orbax: the migration and the Orbax items need orbax-checkpoint >= 0.12.5
 # (which needs jax >= 0.6). On an older stack (the support matrix's old
 # sessions) their tests are skipped with this reason, not failed.
 # --------------------------------------------------------------------------
 
-MIGRATION_ORBAX = (0, 12)
+MIGRATION_ORBAX = (0, 12, 5)
 
 
 def installed_version(package: str) -> Optional[tuple[int, ...]]:
@@ -107,7 +107,7 @@ def orbax_skip_reason() -> Optional[str]:
     return None
   have = ("no orbax-checkpoint" if version is None else
           f"orbax-checkpoint {metadata.version('orbax-checkpoint')}")
-  return (f"migration needs orbax-checkpoint >= 0.12 (with jax >= 0.6); "
+  return (f"migration needs orbax-checkpoint >= 0.12.5 (with jax >= 0.6); "
           f"{have} is installed (README.md, \"Support matrix\")")
 
 
@@ -119,7 +119,7 @@ ORBAX_MODULES = re.compile(r"test_(migration|migrate_runs|orbax_items|"
 
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line(
-      "markers", "orbax: needs orbax-checkpoint >= 0.12 (the migration's); "
+      "markers", "orbax: needs orbax-checkpoint >= 0.12.5 (the migration's); "
       "skipped on an older Orbax")
   config.addinivalue_line(
       "markers", "soak: a long soak or end-to-end kill test; skipped unless "

@@ -1,6 +1,6 @@
 """Each Orbax line a user may be stuck on restores a migrated root.
 
-The migration needs orbax-checkpoint >= 0.12 (an environment of its own), but
+The migration needs orbax-checkpoint >= 0.12.5 (an environment of its own), but
 the training job that reads its output may run an older Orbax. The matrix
 (noxfile.py) runs this module on Orbax 0.6.4 (the oldest stack), 0.11.24
 (the middle one) and 0.12.x, with the call migration/README.md gives for
