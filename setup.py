@@ -11,8 +11,8 @@ README.md "Support matrix"), so `[tf]` and `[jax]` never make pip upgrade
 a TensorFlow >= 2.16, jax >= 0.4.30 or flax >= 0.8.5 a user has. The
 migration is different: orbax-checkpoint 0.12.5 needs jax >= 0.6, so `[orbax]`
 (and `[all]`, which includes it) asks for that jax, and belongs in an
-environment of its own (`python -m venv migrate-env`; `pip install
-clu_ckpt[orbax,tf]`) when the training job is pinned to an older jax.
+environment of its own (`python -m venv migrate-env`, then `pip install -e
+'.[all]'` from a checkout) when the training job is pinned to an older jax.
 """
 
 import re
@@ -31,11 +31,12 @@ _JAX = ["jax>=0.4.30", "flax>=0.8.5"]
 # The migration uses NumpyHandler(deepcopy_host_arrays=...), new in
 # orbax-checkpoint 0.12.5, which requires jax >= 0.6.0 (which requires
 # ml_dtypes >= 0.5) and tensorstore >= 0.1.84.
+# The matrix ran the migration with flax 0.10.6 beside them.
 _ORBAX = ["orbax-checkpoint>=0.12.5", "jax>=0.6", "ml_dtypes>=0.5",
-          "tensorstore>=0.1.84"]
-# Beside that jax: TensorFlow 2.16-2.18 cannot install (they pin ml_dtypes
-# below 0.5); the matrix ran the migration with TensorFlow 2.21, flax 0.10.6.
-_WITH_ORBAX = ["tensorflow-cpu>=2.21", "flax>=0.10.6"]
+          "tensorstore>=0.1.84", "flax>=0.10.6"]
+# Beside that jax, TensorFlow 2.16-2.18 cannot install (they pin ml_dtypes
+# below 0.5); the matrix ran the migration with TensorFlow 2.21.
+_WITH_ORBAX = ["tensorflow-cpu>=2.21"]
 _GCS = ["gcsfs>=2024.6"]
 _S3 = ["s3fs>=2024.6"]
 
