@@ -20,6 +20,7 @@ def _steps(directory):
     return list(mngr.all_steps())
 
 
+@pytest.mark.orbax  # migrates
 def test_migrate_json_summary(tmp_path, capsys, golden_copy):
   src = golden_copy("single_host")
   code = cli.main(["migrate", str(src), str(tmp_path / "dst"), "--json",
@@ -39,6 +40,7 @@ def test_migrate_json_summary(tmp_path, capsys, golden_copy):
   assert _steps(tmp_path / "dst") == [300, 400, 500]
 
 
+@pytest.mark.orbax  # migrates
 def test_human_summary_and_rerun(tmp_path, capsys, golden_copy):
   src = golden_copy("single_host")
   assert cli.main(["migrate", str(src), str(tmp_path / "dst"),
@@ -53,6 +55,7 @@ def test_human_summary_and_rerun(tmp_path, capsys, golden_copy):
   assert "skipped ckpt-5 -> step 500" in err
 
 
+@pytest.mark.orbax  # migrates
 def test_number_and_step_naming_options(tmp_path, capsys, golden_copy):
   src = golden_copy("single_host")
   code = cli.main(["migrate", str(src), str(tmp_path / "dst"), "--number",

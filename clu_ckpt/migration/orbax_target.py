@@ -85,7 +85,7 @@ MIGRATION_ENV = "~/clu-ckpt-migrate"
 PRIVATE_API = ("orbax.checkpoint.type_handlers.NumpyHandler."
                "_background_serialize")
 PRIVATE_API_PARAMETERS = ("self", "values", "infos", "args")
-CHECKED_ORBAX_VERSIONS = ("0.12.8",)
+CHECKED_ORBAX_VERSIONS = ("0.12.5", "0.12.8")  # the matrix (noxfile.py)
 # The Orbax behaviour a step's commit time is set through (see the module
 # docstring), checked against the same versions.
 COMMIT_TIME_API = ("orbax.checkpoint.metadata.MetadataStore.update("
