@@ -8,6 +8,12 @@ own handlers, with a bounded numpy handler (a byte budget, a read-ahead of
 memory-mapped arrays and a heap trimmer) so memory stays small whatever the
 checkpoint size.
 
+Writing needs orbax-checkpoint >= `MIN_ORBAX_VERSION`: `require_orbax`
+(called by `migrate` before it reads or writes anything, and by
+`OrbaxTarget.write_step`) raises a one-line `MigrationError` naming the
+installed and the required version and the command that makes a migration
+environment; reading a migrated root works with older Orbax too.
+
 This is the one module that relies on Orbax behaviour outside its public
 API, checked against the versions in `CHECKED_ORBAX_VERSIONS`:
 `NumpyHandler._background_serialize` (`PRIVATE_API`, checked at use time;
@@ -37,8 +43,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import inspect
 import math
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -64,12 +72,20 @@ DEFAULT_INFLIGHT_BYTES = 128 * 2**20
 # quarter of the checkpoint's size from checkpoints of about 1 GB up.
 REMOTE_INFLIGHT_BYTES = 16 * 2**20
 
+# The oldest orbax-checkpoint the migration writes with: its `NumpyHandler`
+# takes `deepcopy_host_arrays` from 0.12.5 on (before, it deep-copies every
+# array: memory grows to the checkpoint's size). Checked once, before a
+# migration reads or writes anything (`require_orbax`).
+MIN_ORBAX_VERSION = "0.12.5"
+# Where the command that makes a migration environment installs it.
+MIGRATION_ENV = "~/clu-ckpt-migrate"
+
 # The private Orbax API the bounded handler overrides, and the
 # orbax-checkpoint versions it was checked against.
 PRIVATE_API = ("orbax.checkpoint.type_handlers.NumpyHandler."
                "_background_serialize")
 PRIVATE_API_PARAMETERS = ("self", "values", "infos", "args")
-CHECKED_ORBAX_VERSIONS = ("0.12.8",)
+CHECKED_ORBAX_VERSIONS = ("0.12.5", "0.12.8")  # the matrix (noxfile.py)
 # The Orbax behaviour a step's commit time is set through (see the module
 # docstring), checked against the same versions.
 COMMIT_TIME_API = ("orbax.checkpoint.metadata.MetadataStore.update("
@@ -282,10 +298,13 @@ class OrbaxTarget(Target):
     GCS the uncommitted step has the final name.
 
     Raises:
+      MigrationError: orbax-checkpoint is older than `MIN_ORBAX_VERSION`
+        (or missing): nothing is written.
       UsageError: `saved_at` is not a finite non-negative time.
       PrivateApiError: This Orbax did not record the commit time as
         `COMMIT_TIME_API` says (the step is removed again).
     """
+    require_orbax()
     commit_nsecs = _commit_nsecs(saved_at)
     self.remove_partial(step)
     try:
@@ -418,6 +437,41 @@ class OrbaxTarget(Target):
         item, args=ocp.args.PyTreeRestore())
 
 
+def item_handlers(*, standard_state: bool = False) -> dict[str, Any]:
+  """The item handlers that make a stock `CheckpointManager` quiet.
+
+  A `CheckpointManager` made without them restores a migrated step with a
+  plain `restore(step)` all the same (it finds each item's handler in the
+  step's `_CHECKPOINT_METADATA`, where the migration records them exactly
+  as Orbax records its own items), but orbax-checkpoint 0.12 logs two
+  "Item ... could not be restored. Please provide a
+  `CheckpointHandlerRegistry`" warnings per item first, on its own roots
+  too. Given these, `restore(step)` is silent and returns every item.
+
+  Example::
+
+    import orbax.checkpoint as ocp
+    from clu_ckpt import migration
+
+    mngr = ocp.CheckpointManager(
+        "/runs/a/orbax", item_handlers=migration.item_handlers())
+    restored = mngr.restore(mngr.latest_step())   # state, metadata, dataset
+
+  Args:
+    standard_state: The steps were migrated with a template (`--template`):
+      their `state` item is a StandardSave's.
+
+  Returns:
+    {item name: a new Orbax handler} for `state`, `dataset`, `metadata`.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  state = (ocp.handlers.StandardCheckpointHandler() if standard_state else
+           ocp.handlers.PyTreeCheckpointHandler())
+  return {STATE_ITEM: state,
+          DATASET_ITEM: ocp.handlers.PyTreeCheckpointHandler(),
+          METADATA_ITEM: ocp.handlers.JsonCheckpointHandler()}
+
+
 def read_metadata(destination: str, step: int, *,
                   step_prefix: Optional[str] = None,
                   step_format_fixed_length: Optional[int] = None
@@ -509,6 +563,87 @@ def orbax_version() -> str:
     return "unknown"
 
 
+@functools.lru_cache(maxsize=1)
+def installed_orbax_version() -> Optional[str]:
+  """The installed orbax-checkpoint version, or None when it is not
+  installed (read from the package metadata once per process: Orbax is not
+  imported)."""
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  try:
+    return metadata.version("orbax-checkpoint")
+  except metadata.PackageNotFoundError:
+    return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+  """The numeric release of a version string: "0.12.5rc1" -> (0, 12, 5)."""
+  parts = []
+  for part in version.strip().split("."):
+    digits = ""
+    for char in part:
+      if not char.isdigit():
+        break
+      digits += char
+    if not digits:
+      break
+    parts.append(int(digits))
+    if digits != part:
+      break
+  return tuple(parts)
+
+
+def migration_env_command() -> str:
+  """The shell command that makes an environment the migration runs in.
+
+  It installs this checkout of clu_ckpt with its `[orbax]` extra (the
+  package installs from a checkout), into a virtual environment of its own
+  so that the training environment's jax and Orbax stay as they are.
+  """
+  package = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  checkout = package if os.path.exists(
+      os.path.join(package, "setup.py")) else "<clu_ckpt checkout>"
+  return (f"python -m venv {MIGRATION_ENV} && {MIGRATION_ENV}/bin/pip "
+          f"install -e '{checkout}[orbax]'")
+
+
+def check_orbax_version(version: Optional[str]) -> None:
+  """Refuses an orbax-checkpoint the migration cannot write with.
+
+  Example::
+
+    check_orbax_version("0.12.8")    # fine
+    check_orbax_version("0.11.24")   # MigrationError
+    check_orbax_version(None)        # MigrationError: not installed
+
+  Args:
+    version: The installed orbax-checkpoint version; None: not installed.
+
+  Raises:
+    MigrationError: `version` is None, unreadable or older than
+      `MIN_ORBAX_VERSION`; one line naming the installed and the required
+      version and the command that makes a migration environment.
+  """
+  release = _release(version) if version else ()
+  if release and release >= _release(MIN_ORBAX_VERSION):
+    return
+  installed = ("orbax-checkpoint is not installed" if version is None else
+               f"the installed orbax-checkpoint is {version}")
+  raise errors.MigrationError(
+      f"migrating needs orbax-checkpoint >= {MIN_ORBAX_VERSION} and "
+      f"{installed}; nothing was written. Make a migration environment of "
+      f"its own and run clu-ckpt from it: {migration_env_command()}")
+
+
+def require_orbax() -> None:
+  """`check_orbax_version` of the installed orbax-checkpoint.
+
+  Raises:
+    MigrationError: See `check_orbax_version`.
+  """
+  check_orbax_version(installed_orbax_version())
+
+
 def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
   """The private `NumpyHandler._background_serialize`, or PrivateApiError.
 
@@ -539,6 +674,15 @@ def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
         f"{PRIVATE_API}{PRIVATE_API_PARAMETERS}, checked against "
         f"orbax-checkpoint {checked}; in the installed orbax-checkpoint "
         f"{orbax_version()} it takes {parameters}. Install "
+        f"orbax-checkpoint=={CHECKED_ORBAX_VERSIONS[-1]}.")
+  init = inspect.signature(handler_cls.__init__).parameters
+  if "deepcopy_host_arrays" not in init and not any(
+      p.kind is inspect.Parameter.VAR_KEYWORD for p in init.values()):
+    raise errors.PrivateApiError(
+        f"clu_ckpt's migration writes arrays without Orbax's defensive copy "
+        f"(NumpyHandler(deepcopy_host_arrays=False), orbax-checkpoint >= "
+        f"{MIN_ORBAX_VERSION}); the installed orbax-checkpoint "
+        f"{orbax_version()} does not take it. Install "
         f"orbax-checkpoint=={CHECKED_ORBAX_VERSIONS[-1]}.")
   return method
 
