@@ -190,7 +190,6 @@ def _numpy_tree(value: Any, path: str, leaves: list) -> Any:
 
 
 def _leaf_summary(path: str, value: Any) -> dict:
-  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
   dtype = shape = None
   if isinstance(value, np.ndarray):
     kind = "ndarray"
@@ -204,7 +203,7 @@ def _leaf_summary(path: str, value: Any) -> dict:
     kind = {int: "int", float: "float", str: "str", bytes: "bytes",
             complex: "complex"}.get(type(value), type(value).__name__)
   if kind in ("ndarray", "npscalar"):
-    dtype = flax_format.dtype_name(np.asarray(value).dtype)
+    dtype = np.asarray(value).dtype.name  # as the `.flax` header names it
     shape = list(np.shape(value))
   return {"path": path, "kind": kind, "dtype": dtype, "shape": shape}
 
