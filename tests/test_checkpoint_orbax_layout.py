@@ -464,3 +464,112 @@ def test_layout_is_a_keyword_only_extension(cls):
   assert list(ours)[len(theirs):] == ["layout"]
   assert ours["layout"].kind is inspect.Parameter.KEYWORD_ONLY
   assert ours["layout"].default is None
+
+
+# ---------------------------------------------------------------------------
+# Multi-host: real `jax.distributed` processes on localhost.
+# ---------------------------------------------------------------------------
+
+_HOST_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=sys.argv[2],
+                               num_processes=2, process_id=int(sys.argv[1]))
+    import numpy as np
+    import tensorflow as tf
+    from clu_ckpt import checkpoint
+
+    def iterator():
+      return iter(tf.data.Dataset.range(10_000).batch(4))
+
+    def state(step):
+      return {"w": np.full((3,), step, np.float32), "step": step}
+
+    me, base = jax.process_index(), sys.argv[3]
+    out = {"host": me}
+    it = iterator()
+    ckpt = checkpoint.MultihostCheckpoint(base, dict(ds_iter=it),
+                                          layout="orbax", max_to_keep=3)
+    out["latest"] = ckpt.get_latest_checkpoint_to_restore_from()
+    restored = ckpt.restore_or_initialize(state(0))
+    out["restored_step"] = int(restored["step"])
+    out["after_restore"] = next(it).numpy().tolist()
+    for step in (out["restored_step"] + 1, out["restored_step"] + 2):
+      for _ in range(1 + me):  # each host reads its own amount of data
+        next(it)
+      out.setdefault("saved", []).append(ckpt.save(state(step)))
+    out["next_after_save"] = next(it).numpy().tolist()
+    # A restart: fresh objects and iterators restore the newest step.
+    fresh = iterator()
+    again = checkpoint.MultihostCheckpoint(base, dict(ds_iter=fresh),
+                                           layout="orbax", max_to_keep=3)
+    out["resumed_step"] = int(again.restore_or_initialize(state(0))["step"])
+    out["resumed_next"] = next(fresh).numpy().tolist()
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def _run_hosts(tmp_path, base, count=2, timeout=300) -> dict:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  script = tmp_path / "host.py"
+  script.write_text(_HOST_SCRIPT)
+  env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}",
+             JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  procs = [subprocess.Popen(
+      [sys.executable, str(script), str(i), f"127.0.0.1:{port}", str(base)],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+      cwd=tmp_path) for i in range(count)]
+  results = {}
+  for proc in procs:
+    try:
+      out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      pytest.fail("multi-host save timed out")
+    assert proc.returncode == 0, err[-3000:]
+    line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT "):])
+    results[result["host"]] = result
+  return results
+
+
+def test_multihost_resumes_across_the_switch_with_each_hosts_iterator(
+    tmp_path):
+  base = tmp_path / "checkpoints"
+  # Before the switch: the real clu, one directory per host; host 1 saved
+  # one checkpoint more (it was preempted after host 0's last save).
+  for host, saves in ((0, 3), (1, 4)):
+    it = dataset_iterator()
+    ckpt = clu_checkpoint.MultihostCheckpoint(str(base), dict(ds_iter=it),
+                                              host_id=host, max_to_keep=5)
+    for step in range(1, saves + 1):
+      for _ in range(1 + host):
+        batch(it)
+      ckpt.save({"w": np.full((3,), step, np.float32), "step": step})
+  results = _run_hosts(tmp_path, base)
+  for host in (0, 1):
+    r = results[host]
+    # The highest number every host has: 3 (host 1's ckpt-4 is newer).
+    assert r["latest"] == f"{base}-{host}/ckpt-3"
+    assert r["restored_step"] == 3
+    # Each host's own iterator, where its CLU checkpoint left it.
+    position = 3 * (1 + host)
+    assert r["after_restore"] == list(range(4 * position, 4 * position + 4))
+    assert r["saved"] == [f"{base}-{host}/ckpt-4", f"{base}-{host}/ckpt-5"]
+    assert r["resumed_step"] == 5
+    assert r["resumed_next"] == r["next_after_save"]
+  assert results[0]["resumed_next"] != results[1]["resumed_next"]
+  # One root for all hosts, the state written once; host 1's stale CLU
+  # ckpt-4 is gone (the save after restoring 3 removes newer ones).
+  assert orbax_root.list_steps(str(base))[0] == [4, 5]
+  assert not (base.parent / "checkpoints-1" / "ckpt-4.flax").exists()
+  with ocp.CheckpointManager(base) as mngr:
+    out = mngr.restore(5)
+  assert sorted(out["dataset"]) == ["process_0", "process_1"]
+  np.testing.assert_array_equal(out["state"]["w"], np.full((3,), 5,
+                                                           np.float32))
+  assert out["metadata"]["host_ids"] == [0, 1]
