@@ -573,3 +573,67 @@ def test_multihost_resumes_across_the_switch_with_each_hosts_iterator(
   np.testing.assert_array_equal(out["state"]["w"], np.full((3,), 5,
                                                            np.float32))
   assert out["metadata"]["host_ids"] == [0, 1]
+
+
+# ---------------------------------------------------------------------------
+# Kills in real processes (tests/soak/soak_kill_orbax_layout.py).
+# ---------------------------------------------------------------------------
+
+
+def _soak_module():
+  sys.path.insert(0, str(REPO / "tests" / "soak"))
+  import soak_kill_orbax_layout  # pylint: disable=g-import-not-at-top
+  return soak_kill_orbax_layout
+
+
+@pytest.mark.thorough
+def test_kills_in_the_orbax_save_restore_the_last_committed(tmp_path):
+  """The quick version of the soak: a CLU-layout run, then SIGKILLs before
+  the commit (among the step's fsyncs) and while pruning; each fresh process
+  restores exactly the last committed checkpoint of either layout."""
+  soak = _soak_module()
+  points = {p[1]: p for p in soak.KILL_POINTS}
+  chain = soak.Chain(tmp_path / "ckpts")
+  chain.start()  # CLU checkpoints 1..4
+  # Saves 5 and 6 complete; the third save dies among the fsyncs of 7.
+  r = chain.round(points["c:os.fsync@clu_ckpt.orbax_layout:fsync_tree"], 2,
+                  save=3)
+  assert (r["restored"], r["returncode"], r["saves"]) == (4, -9, 2)
+  # 7 was never renamed into place: 6 is restored. Saving 7 removes nothing
+  # (5, 6, 7 are the newest three; CLU 2-4 are only copies); saving 8
+  # removes step 5 and dies there, after its commit: 8 is restored next.
+  r = chain.round(points[f"py:{soak._DISCARD}"], 1, save=2)
+  assert (r["restored"], r["returncode"], r["saves"]) == (6, -9, 1)
+  assert soak.final_check(chain) == []
+  assert chain.rounds[-1]["restored"] == 8
+
+
+@pytest.mark.soak
+def test_soak_kill_orbax_layout(tmp_path):
+  assert _soak_module().main(["--rounds", "60", "--workdir",
+                              str(tmp_path)]) == 0
+
+
+def test_failed_save_leaves_nothing_listed_and_reuses_the_number(
+    tmp_path, monkeypatch):
+  # In-process: the step's fsync fails (a full disk), after all its files
+  # are written but before the rename.
+  it = dataset_iterator()
+  ckpt = orbax_ckpt(tmp_path / "ck", dict(ds_iter=it))
+  ckpt.save(make_state(1))
+  real = orbax_layout.fsync_tree
+
+  def failing(directory):
+    raise OSError(28, "No space left on device", directory)
+
+  monkeypatch.setattr(orbax_layout, "fsync_tree", failing)
+  ckpt._orbax._target.before_commit = failing  # pylint: disable=protected-access
+  with pytest.raises(OSError, match="No space left"):
+    ckpt.save(make_state(2))
+  assert sorted(os.listdir(tmp_path / "ck")) == ["1"]
+  assert orbax_ckpt(tmp_path / "ck").latest_checkpoint == (
+      f"{tmp_path}/ck/ckpt-1")
+  ckpt._orbax._target.before_commit = real  # pylint: disable=protected-access
+  assert ckpt.save(make_state(2)) == f"{tmp_path}/ck/ckpt-2"
+  assert same_tree(orbax_ckpt(tmp_path / "ck").restore_dict(),
+                   flax_state_dict(make_state(2)))
