@@ -468,7 +468,9 @@ class Checkpoint:
     earlier checkpoints as they were and removes its own partial files; the
     next save reuses the same number. In a bucket, TensorFlow writes the
     `tf_state` to a local temporary directory and clu_ckpt uploads and
-    commits it (see the class docstring).
+    commits it (see the class docstring). With `layout="orbax"` the
+    checkpoint is Orbax step `number` instead (see the class docstring and
+    `clu_ckpt.orbax_layout`); the path returned keeps its CLU name.
 
     Example::
 
@@ -848,7 +850,9 @@ class MultihostCheckpoint(Checkpoint):
 
     Only checkpoints named `{checkpoint_name}-{number}` inside each host's
     directory count; entries of the `checkpoint` files that lead elsewhere
-    are ignored.
+    are ignored. With `layout="orbax"`, the newest Orbax step of the shared
+    root counts too (every host has it: it is listed only once all hosts
+    wrote it), when its number is higher.
 
     Returns:
       This host's path of that checkpoint, or None when this host has no
