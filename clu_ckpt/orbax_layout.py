@@ -66,6 +66,12 @@ WRITER = "clu_ckpt.checkpoint"
 # the save must be as fast as the CLU layout's (benchmarks/bench_checkpoint.py
 # `save_orbax`); `clu-ckpt migrate --compression none` writes the same.
 COMPRESSION = "none"
+# Array bytes handed to TensorStore at once. Unbounded: unlike a migration's
+# memory-mapped source, the state is in memory already, and uncompressed
+# writes reference the arrays without copying them (measured: extra RssAnon
+# 0.00x the state, `save_orbax`); the migration's 128 MiB window would only
+# serialize the writes (2x slower).
+INFLIGHT_BYTES = 2**62
 
 
 def resolve(value: Optional[str]) -> str:
@@ -260,7 +266,7 @@ class OrbaxSteps:
     self.process_count = process_count
     self._target = orbax_target.OrbaxTarget(
         self.root, use_compression=COMPRESSION == "zstd",
-        before_commit=fsync_tree)
+        inflight_bytes=INFLIGHT_BYTES, before_commit=fsync_tree)
 
   @property
   def primary(self) -> bool:
