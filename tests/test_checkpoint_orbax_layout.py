@@ -537,6 +537,40 @@ def _run_hosts(tmp_path, base, count=2, timeout=300) -> dict:
   return results
 
 
+def test_multihost_single_process_resumes_into_the_base_root(tmp_path):
+  """The quick representative of the next test, in this process (one host):
+  the newest CLU number the host directories share, then Orbax steps in
+  the multihost base itself."""
+  base = tmp_path / "checkpoints"
+  it = dataset_iterator()
+  clu = clu_checkpoint.MultihostCheckpoint(str(base), dict(ds_iter=it),
+                                           host_id=0)
+  for step in range(1, 3):
+    batch(it)
+    clu.save({"w": np.full((3,), step, np.float32), "step": step})
+  expected_next = batch(it)
+  fresh = dataset_iterator()
+  ckpt = checkpoint.MultihostCheckpoint(str(base), dict(ds_iter=fresh),
+                                        host_id=0, layout="orbax")
+  assert ckpt.get_latest_checkpoint_to_restore_from() == f"{base}-0/ckpt-2"
+  restored = ckpt.restore_or_initialize({"w": np.zeros(3, np.float32),
+                                         "step": 0})
+  assert restored["step"] == 2 and batch(fresh) == expected_next
+  assert ckpt.save({"w": np.full((3,), 3, np.float32), "step": 3}) == (
+      f"{base}-0/ckpt-3")
+  assert orbax_root.list_steps(str(base))[0] == [3]
+  assert not (base.parent / "checkpoints-0" / "ckpt-3.flax").exists()
+  again = checkpoint.MultihostCheckpoint(str(base), dict(
+      ds_iter=dataset_iterator()), host_id=0, layout="orbax")
+  assert again.get_latest_checkpoint_to_restore_from() == f"{base}-0/ckpt-3"
+  with ocp.CheckpointManager(base) as mngr:
+    assert sorted(mngr.restore(3)["dataset"]) == ["process_0"]
+  # Every host saves into the one root under its process index.
+  with pytest.raises(errors.UsageError, match="jax.process_index"):
+    checkpoint.MultihostCheckpoint(str(base), host_id=1, layout="orbax")
+
+
+@pytest.mark.thorough
 def test_multihost_resumes_across_the_switch_with_each_hosts_iterator(
     tmp_path):
   base = tmp_path / "checkpoints"
