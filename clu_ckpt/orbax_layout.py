@@ -43,6 +43,7 @@ Synopsis::
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any, Mapping, Optional
 
@@ -446,11 +447,17 @@ class OrbaxSteps:
       self._target.discard(number)
 
   def sweep_partial(self) -> None:
-    """Removes what killed saves left (Orbax's temporary step directories)."""
+    """Removes what killed saves left: Orbax's temporary step directories,
+    and steps a killed removal had already taken out of the listing
+    (`<N>.clu_ckpt-discarded`, see `OrbaxTarget.discard`)."""
     if not self.primary:
       return
+    from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
+    marker = orbax_target.DISCARDED_MARKER
     try:
-      for name in orbax_root.list_steps(self.root)[1]:
+      aside = [name.rstrip("/") for name in storage.listdir(self.root)
+               if re.fullmatch(r"\d+" + re.escape(marker), name.rstrip("/"))]
+      for name in orbax_root.list_steps(self.root)[1] + aside:
         path = storage.join(self.root, name)
         logging.info("Removing leftover '%s'", path)
         storage.remove_tree(path)

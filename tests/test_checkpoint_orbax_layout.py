@@ -429,9 +429,12 @@ def test_leftovers_of_a_killed_save_are_removed(tmp_path):
   ckpt.save(make_state(1))
   (base / "2.orbax-checkpoint-tmp-123" / "state").mkdir(parents=True)
   (base / "9.orbax-checkpoint-tmp-5").mkdir()
+  # A removal killed after it took step 0 out of the listing.
+  (base / "0.clu_ckpt-discarded" / "state").mkdir(parents=True)
+  (base / "notes.clu_ckpt-discarded").mkdir()  # not a step's: left alone
   assert orbax_ckpt(base).latest_checkpoint == f"{base}/ckpt-1"
   ckpt.save(make_state(2))
-  assert sorted(os.listdir(base)) == ["1", "2"]
+  assert sorted(os.listdir(base)) == ["1", "2", "notes.clu_ckpt-discarded"]
 
 
 def test_removal_never_follows_symlinks(tmp_path):
