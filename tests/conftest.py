@@ -47,9 +47,22 @@ from typing import Any, Callable
 
 import pytest
 
+import emulators
+
 # TensorFlow's C++ start-up chatter drowns pytest's output; set it before any
 # test imports TensorFlow.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+# Nothing but 127.0.0.1, in any test order: the cloud clients' metadata
+# probes are off and etils' paths never choose TensorFlow's gs:// (which
+# resolves www.googleapis.com) for the whole session, before any test imports
+# Orbax. etils decides that once per process, at its first path, so setting
+# it only in the emulator fixtures let a local Orbax test run first in the
+# same process decide for the bucket tests after it.
+NETWORK_GUARD = ("NO_GCE_CHECK", "GCE_METADATA_HOST", "GCE_METADATA_IP",
+                 "GCE_METADATA_ROOT", "AWS_EC2_METADATA_DISABLED",
+                 "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "EPATH_USE_TF")
+os.environ.update({k: emulators.ENV[k] for k in NETWORK_GUARD})
 
 FIXTURES = (pathlib.Path(__file__).resolve().parents[2] / "shared" /
             "fixtures" / "clu-0.0.12")
