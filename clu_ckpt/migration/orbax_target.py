@@ -234,6 +234,10 @@ class OrbaxTarget(Target):
     step_prefix: As in `CheckpointManagerOptions` (None: no prefix).
     step_format_fixed_length: As in `CheckpointManagerOptions` (None or 0:
       no zero padding).
+    before_commit: Called with the step's temporary directory once all of
+      it is written, just before Orbax renames it into place (through the
+      same `MetadataStore` hook as the commit time, `COMMIT_TIME_API`);
+      `clu_ckpt.orbax_layout` fsyncs the step there. None: nothing.
 
   Raises:
     UsageError: An empty root, an `s3://` root (`check_destination`), or
@@ -243,7 +247,8 @@ class OrbaxTarget(Target):
   def __init__(self, root: str, *, use_compression: bool = True,
                inflight_bytes: Optional[int] = None,
                step_prefix: Optional[str] = None,
-               step_format_fixed_length: Optional[int] = None):
+               step_format_fixed_length: Optional[int] = None,
+               before_commit: Optional[Callable[[str], None]] = None):
     orbax_root.check_step_naming(step_prefix, step_format_fixed_length)
     self.root = layout.absolute(root)
     check_destination(self.root)
@@ -255,6 +260,7 @@ class OrbaxTarget(Target):
                            if inflight_bytes is None else inflight_bytes)
     self.step_prefix = step_prefix
     self.step_format_fixed_length = step_format_fixed_length
+    self.before_commit = before_commit
 
   def step_name(self, step: int) -> str:
     """The name of `step`'s directory under the root."""
@@ -344,10 +350,10 @@ class OrbaxTarget(Target):
     if DATASET_ITEM in items:
       args[DATASET_ITEM] = ocp.args.PyTreeSave(items[DATASET_ITEM])
     store = None
-    if commit_nsecs is not None:
+    if commit_nsecs is not None or self.before_commit is not None:
       store = _CommitTimeStore(
           ocp.metadata.metadata_store(enable_write=True, blocking_write=True),
-          commit_nsecs)
+          commit_nsecs, self.before_commit)
     checkpointer = ocp.Checkpointer(
         ocp.handlers.CompositeCheckpointHandler(handler_registry=registry),
         checkpoint_metadata_store=store)
@@ -356,8 +362,9 @@ class OrbaxTarget(Target):
                         custom_metadata=custom_metadata)
     finally:
       checkpointer.close()
-    if store is not None and not store.committed:
-      # Listed with the time of writing: not what was asked; undo it.
+    if store is not None and not store.committed and _primary_process():
+      # Listed with the time of writing (or not fsynced): not what was
+      # asked; undo it. (Only the primary process commits.)
       storage.remove_tree(storage.join(self.root, self.step_name(step)))
       raise errors.PrivateApiError(
           f"clu_ckpt sets a migrated step's save time through Orbax's "
@@ -500,6 +507,12 @@ def read_metadata(destination: str, step: int, *,
 # --------------------------------------------------------------------------
 
 
+def _primary_process() -> bool:
+  """Whether this is the process that commits Orbax's steps (process 0)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_index() == 0
+
+
 def _commit_nsecs(saved_at: Optional[float]) -> Optional[int]:
   """`saved_at` (Unix seconds) as Orbax's integer nanoseconds, or None."""
   if saved_at is None:
@@ -522,9 +535,11 @@ class _CommitTimeStore:
   is given `commit_nsecs` instead of the current time.
   """
 
-  def __init__(self, store: Any, commit_nsecs: int):
+  def __init__(self, store: Any, commit_nsecs: Optional[int],
+               before_commit: Optional[Callable[[str], None]] = None):
     self._store = store
-    self._commit_nsecs = commit_nsecs
+    self._commit_nsecs = commit_nsecs  # None: Orbax's own time.
+    self._before_commit = before_commit
     self.committed = False  # Whether the commit time went through here.
 
   def is_blocking_writer(self) -> bool:
@@ -537,10 +552,15 @@ class _CommitTimeStore:
     return self._store.read(file_path)
 
   def update(self, file_path: Any, **kwargs: Any) -> None:
-    if COMMIT_TIME_FIELD in kwargs:
-      kwargs[COMMIT_TIME_FIELD] = self._commit_nsecs
+    committing = COMMIT_TIME_FIELD in kwargs
+    if committing:
+      if self._commit_nsecs is not None:
+        kwargs[COMMIT_TIME_FIELD] = self._commit_nsecs
       self.committed = True
     self._store.update(file_path, **kwargs)
+    if committing and self._before_commit is not None:
+      self._store.wait_until_finished()
+      self._before_commit(str(file_path).rsplit("/", 1)[0])
 
   def wait_until_finished(self) -> None:
     self._store.wait_until_finished()
