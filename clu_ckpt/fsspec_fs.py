@@ -69,11 +69,13 @@ from typing import Any, Callable, Iterator, Optional
 from clu_ckpt import errors
 from clu_ckpt import filesystem
 
-# `map` reads an object in ranges of this many bytes, this many at a time
-# (the client holds each range about twice while it arrives: 8 MiB x 4 peaks
-# at ~56 MiB of anonymous memory; 16 MiB x 4 at ~128 MiB, and no faster).
+# `map` reads an object in ranges of this many bytes, SPOOL_READS of them in
+# flight at all times (a new one starts as each ends). The client holds each
+# range about twice while it arrives: 8 MiB x 8 peaks at ~110 MiB of
+# anonymous memory. The environment variable CLU_CKPT_BUCKET_STREAMS, when
+# set, overrides SPOOL_READS (see `streams`).
 SPOOL_CHUNK = 8 * 2**20
-SPOOL_READS = 4
+SPOOL_READS = 8
 # Uploads are sent in parts of this many bytes (GCS wants multiples of 256
 # KiB, S3 parts of at least 5 MiB).
 UPLOAD_BLOCK = 16 * 2**20
@@ -355,44 +357,99 @@ class FsspecFileSystem(filesystem.FileSystem):
   def map(self, path: str, *, populate: bool = True) -> Any:
     """The object, spooled by ranged reads into an unlinked temporary file.
 
-    `populate` is ignored: the whole object is fetched (only the ranges of
-    `read_bytes` are cheaper).
+    `populate` is ignored: the whole object is fetched, `streams()` ranges
+    always in flight (only the ranges of `read_bytes`, or a `SparseSpool`
+    filled on demand, are cheaper).
 
     Raises:
       FileNotFoundError: No object at `path`.
       OSError: The object changed size while it was read.
     """
     del populate
-    size, _ = self.stat(path)
-    if size == 0:
+    spool = self.spool(path)
+    if spool.size == 0:
       return b""
+    spool.fill()
+    return spool.map
+
+  def spool(self, path: str) -> "SparseSpool":
+    """An empty `SparseSpool` of the object at `path` (one metadata request).
+
+    Raises:
+      FileNotFoundError: No object at `path`.
+    """
+    with self._naming(path):
+      info = self.fs.info(self._key(path))
+    if info.get("type") == "directory":
+      raise errors.NotRegularFileError(path, "a directory (a prefix)")
+    size = int(info.get("size") or 0)
+    version = next((str(info[f]) for f in ("generation", "ETag", "etag",
+                                             "VersionId", "md5Hash")
+                    if info.get(f)), "")
+    spool = SparseSpool(self, path, size)
+    spool.identity = (path, size, _mtime(info), version)
+    return spool
+
+  def fetch_into(self, path: str, fd: int, ranges: list[tuple[int, int]],
+                 size: int) -> int:
+    """Copies byte ranges of an object into file `fd` at the same offsets.
+
+    Ranges longer than `SPOOL_CHUNK` are split; `streams()` reads are kept
+    in flight at all times (a new one starts as soon as one ends, not in
+    batches), and each range's bytes are written to `fd` as soon as they
+    arrive, so at most `streams()` chunks are held in memory.
+
+    Returns:
+      The number of requests made.
+
+    Raises:
+      OSError: A read failed, returned fewer bytes than asked (the object
+        changed), or the local copy could not be written.
+    """
     key = self._key(path)
-    starts = list(range(0, size, SPOOL_CHUNK))
-    with tempfile.TemporaryFile(prefix="clu_ckpt-spool-") as spool:
-      fd = spool.fileno()
-      _reserve(fd, size, path)
+    pieces = [(s, min(s + SPOOL_CHUNK, end)) for start, end in ranges
+              for s in range(start, end, SPOOL_CHUNK)]
+    if not pieces:
+      return 0
 
-      def fetch(start: int) -> None:
-        end = min(start + SPOOL_CHUNK, size)
-        with self._naming(path):
-          data = self.fs.cat_file(key, start=start or None, end=end)
-        if len(data) != end - start:
-          raise OSError(f"{path}: the object changed while it was read "
-                        f"({len(data)} bytes at {start}, {end - start} "
-                        "expected)")
-        view = memoryview(data)
-        try:
-          while view:
-            view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
-        except OSError as e:
-          raise _spool_error(e, path, size) from e
+    def fetch(piece: tuple[int, int]) -> None:
+      start, end = piece
+      with self._naming(path):
+        data = self.fs.cat_file(key, start=start or None, end=end)
+      if len(data) != end - start:
+        raise OSError(f"{path}: the object changed while it was read "
+                      f"({len(data)} bytes at {start}, {end - start} "
+                      "expected)")
+      view = memoryview(data)
+      try:
+        while view:
+          view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+      except OSError as e:
+        raise _spool_error(e, path, size) from e
 
-      with concurrent.futures.ThreadPoolExecutor(
-          SPOOL_READS, thread_name_prefix="clu_ckpt-spool") as pool:
-        # Submitted in windows, so that at most SPOOL_READS chunks are held.
-        for i in range(0, len(starts), SPOOL_READS):
-          list(pool.map(fetch, starts[i:i + SPOOL_READS]))
-      return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    if len(pieces) == 1:
+      fetch(pieces[0])
+      return 1
+    width = min(streams(), len(pieces))
+    todo = iter(pieces)
+    with concurrent.futures.ThreadPoolExecutor(
+        width, thread_name_prefix="clu_ckpt-spool") as pool:
+      running = {pool.submit(fetch, p) for p in
+                 (next(todo) for _ in range(width))}
+      try:
+        while running:
+          done, running = concurrent.futures.wait(
+              running, return_when=concurrent.futures.FIRST_COMPLETED)
+          for future in done:
+            future.result()  # raises the first failure
+            piece = next(todo, None)
+            if piece is not None:
+              running.add(pool.submit(fetch, piece))
+      except BaseException:
+        for future in running:
+          future.cancel()
+        raise
+    return len(pieces)
 
   @contextlib.contextmanager
   def atomic_writer(self, path: str) -> Iterator[Callable[[Any], None]]:
@@ -431,6 +488,154 @@ class FsspecFileSystem(filesystem.FileSystem):
         if _status(e) in (409, 412):
           raise FileExistsError(17, "already exists", path) from None
         raise
+
+
+def streams() -> int:
+  """How many ranged reads a whole-object read keeps in flight.
+
+  `CLU_CKPT_BUCKET_STREAMS` when set (a positive integer), else
+  `SPOOL_READS`; read at each call.
+  """
+  value = os.environ.get("CLU_CKPT_BUCKET_STREAMS", "").strip()
+  if value:
+    try:
+      n = int(value)
+    except ValueError:
+      raise ValueError(f"CLU_CKPT_BUCKET_STREAMS={value!r}: not a positive "
+                       "integer") from None
+    if n < 1:
+      raise ValueError(f"CLU_CKPT_BUCKET_STREAMS={value!r}: not a positive "
+                       "integer")
+    return n
+  return max(1, int(SPOOL_READS))
+
+
+class SparseSpool:
+  """A local copy of an object, filled by ranged reads only where asked.
+
+  The copy is an unlinked sparse file in `$TMPDIR`, memory-mapped (`map`):
+  bytes not fetched yet read as zeros, and every range fetched later shows
+  up in the same map (and in every numpy view of it). Each byte of the
+  object is downloaded at most once, however many callers ask for it.
+
+  Example::
+
+    spool = fs.spool("gs://b/run/ckpt-3.flax")
+    spool.ensure([(0, 4096)])          # one ranged read
+    header = spool.map[:16]
+    spool.fill()                        # the rest, many reads in flight
+
+  Attributes:
+    path: The object's URL.
+    size: Its size in bytes.
+    map: An `mmap.mmap` of the local copy (`b""` for an empty object).
+    requests: Ranged reads made so far.
+    fetched: Bytes downloaded so far.
+    identity: (path, size, modification time, generation or ETag): what
+      names this version of the object, for caches.
+  """
+
+  def __init__(self, fs: "FsspecFileSystem", path: str, size: int):
+    self.path, self.size = path, size
+    self.identity: tuple = (path, size)
+    self.requests = self.fetched = 0
+    self._fs = fs
+    self._lock = threading.Lock()
+    self._have: list[tuple[int, int]] = []  # sorted, disjoint, merged
+    self._file = tempfile.TemporaryFile(prefix="clu_ckpt-spool-")
+    if size:
+      try:
+        os.ftruncate(self._file.fileno(), size)  # sparse: no blocks yet
+      except OSError as e:
+        raise _spool_error(e, path, size) from e
+      self.map: Any = mmap.mmap(self._file.fileno(), size,
+                                access=mmap.ACCESS_READ)
+    else:
+      self.map = b""
+
+  def missing(self, start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of [start, end) not fetched yet."""
+    start, end = max(0, start), min(end, self.size)
+    out = []
+    for s, e in self._have:
+      if e <= start:
+        continue
+      if s >= end:
+        break
+      if s > start:
+        out.append((start, s))
+      start = max(start, e)
+    if start < end:
+      out.append((start, end))
+    return out
+
+  def has(self, start: int, end: int) -> bool:
+    """Whether [start, end) is all fetched."""
+    return not self.missing(start, end)
+
+  def ensure(self, ranges: list[tuple[int, int]]) -> None:
+    """Fetches whatever of `ranges` is not here yet, many reads in flight.
+
+    Raises:
+      OSError: A read failed or the object changed; the local copy could
+        not be written (a full `$TMPDIR`).
+    """
+    with self._lock:
+      todo = []
+      for start, end in sorted(ranges):
+        for piece in self.missing(start, end):
+          if todo and todo[-1][1] >= piece[0]:
+            todo[-1] = (todo[-1][0], max(todo[-1][1], piece[1]))
+          else:
+            todo.append(piece)
+      if not todo:
+        return
+      if sum(e - s for s, e in todo) > self.size // 2:
+        self._reserve()
+      self.requests += self._fs.fetch_into(self.path, self._file.fileno(),
+                                           todo, self.size)
+      self.fetched += sum(e - s for s, e in todo)
+      self._have = _merge(self._have + todo)
+
+  def fill(self) -> None:
+    """Fetches everything not here yet."""
+    self.ensure([(0, self.size)])
+
+  def copy_fetched(self, limit: int) -> Optional[list[tuple[int, bytes]]]:
+    """(offset, bytes) of what was fetched, if no more than `limit` bytes."""
+    with self._lock:
+      if sum(e - s for s, e in self._have) > limit:
+        return None
+      return [(s, bytes(self.map[s:e])) for s, e in self._have]
+
+  def adopt(self, pieces: list[tuple[int, bytes]]) -> None:
+    """Takes bytes of the object known from elsewhere (`copy_fetched`)."""
+    with self._lock:
+      fd = self._file.fileno()
+      for start, data in pieces:
+        view = memoryview(data)
+        try:
+          while view:
+            view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+        except OSError as e:
+          raise _spool_error(e, self.path, self.size) from e
+      self._have = _merge(self._have + [(s, s + len(d)) for s, d in pieces])
+
+  def _reserve(self) -> None:
+    """Allocates the whole copy's blocks, so that a full disk fails now."""
+    if not getattr(self, "_reserved", False):
+      _reserve(self._file.fileno(), self.size, self.path)
+      self._reserved = True
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  out: list[tuple[int, int]] = []
+  for start, end in sorted(ranges):
+    if out and out[-1][1] >= start:
+      out[-1] = (out[-1][0], max(out[-1][1], end))
+    else:
+      out.append((start, end))
+  return out
 
 
 def _has_exclusive_create(fs: Any) -> bool:
