@@ -279,7 +279,7 @@ def load_file(path: str, *, writable: bool = False,
   keys = _subtree_keys(subtree)
   if keys and flax_ranges.is_remote(path):
     # In a bucket: the headers and the subtree's arrays, by ranged reads.
-    remote = _open_remote(path)
+    remote = _open_remote(path, keys)
     remote.fetch_subtree(keys)
     value = load(remote.spool.map, writable=writable, subtree=keys,
                  name=path)
@@ -482,8 +482,8 @@ def _open(path: str, *, populate: bool) -> Any:
   return buffer
 
 
-def _open_remote(path: str) -> "flax_ranges.RemoteFlax":
-  remote = flax_ranges.open_remote(path)
+def _open_remote(path: str, keys: tuple = ()) -> "flax_ranges.RemoteFlax":
+  remote = flax_ranges.open_remote(path, keys)
   if remote.spool.size == 0:
     raise FlaxFormatError("empty file", path, 0)
   return remote

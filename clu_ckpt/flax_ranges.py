@@ -117,12 +117,18 @@ _cache: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def open_remote(path: str) -> RemoteFlax:
+def open_remote(path: str, keys: tuple = ()) -> RemoteFlax:
   """Fetches the headers of the `.flax` object at `path` by ranged reads.
 
-  The walk of an object already opened in this process (same URL, size and
-  modification time: one metadata request) is not repeated: its headers
-  are copied from memory.
+  The walk of an object already opened in this process (same URL, size,
+  modification time and generation or ETag: one metadata request) is not
+  repeated: its headers are copied from memory.
+
+  Args:
+    path: The object.
+    keys: Only the headers on the way to this subtree, and the subtree's
+      (its `arrays` are then those of the subtree and of what was skipped on
+      the way); all of them if empty.
 
   Raises:
     FileNotFoundError: No object at `path`.
@@ -140,6 +146,9 @@ def open_remote(path: str) -> RemoteFlax:
     return RemoteFlax(spool, arrays)
   walker = _Walker(spool)
   try:
+    if keys:
+      walker.descend(tuple(keys))
+      return RemoteFlax(spool, walker.arrays)
     walker.value((), 0)
     if walker.pos != spool.size:
       raise _Unknown("trailing bytes")
@@ -213,6 +222,43 @@ class _Walker:
       return self._ext(_FIXEXT[tag], path)
     raise _Unknown(f"type byte {tag:#x}")
 
+  def descend(self, keys: tuple) -> None:
+    """Walks the headers on the way to `keys` and the subtree there.
+
+    Stops early where the parser will find no such subtree (it then reads
+    only what was fetched here to say so).
+    """
+    path: tuple = ()
+    for depth, wanted in enumerate(keys):
+      tag = self._need(1)[0]
+      if 0x80 <= tag <= 0x8F:
+        n = tag & 0x0F
+      elif tag in (0xDE, 0xDF):
+        n = self._uint(2 if tag == 0xDE else 4)
+      else:
+        return  # not a map: no such subtree
+      for _ in range(n):
+        key = self._key(depth)
+        if key == wanted:
+          path += (key,)
+          break
+        self.value(path + (key,), depth + 1)
+      else:
+        return  # no such key
+    self.value(path, len(keys))
+
+  def _key(self, depth: int) -> Any:
+    start = self.pos
+    self.value((), depth + 1)
+    raw = bytes(memoryview(self.spool.map)[start:self.pos])
+    try:
+      key = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:  # pylint: disable=broad-except
+      raise _Unknown("key") from None
+    if isinstance(key, (list, dict)):
+      raise _Unknown("key")
+    return key
+
   def _bytes(self, n: int, path: tuple) -> None:
     if n > _BIG:
       self._skip_data(n, path)
@@ -235,15 +281,7 @@ class _Walker:
     if 2 * n > self.spool.size - self.pos:
       raise _Unknown("count")
     for _ in range(n):
-      start = self.pos
-      self.value(path, depth + 1)
-      raw = bytes(memoryview(self.spool.map)[start:self.pos])
-      try:
-        key = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-      except Exception:  # pylint: disable=broad-except
-        raise _Unknown("key") from None
-      if isinstance(key, (list, dict)):
-        raise _Unknown("key")
+      key = self._key(depth)
       self.value(path + (key,), depth + 1)
 
   def _ext(self, n: int, path: tuple) -> None:

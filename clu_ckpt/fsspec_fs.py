@@ -332,16 +332,37 @@ class FsspecFileSystem(filesystem.FileSystem):
         self.fs.rm_file(key)
 
   def stat(self, path: str) -> tuple[int, float]:
-    with self._naming(path):
-      info = self.fs.info(self._key(path))
-    if info.get("type") == "directory":
-      raise errors.NotRegularFileError(path, "a directory (a prefix)")
+    info = self._object_info(path)
     mtime = _mtime(info)
     if not mtime:
       # The lease judges staleness by it: never take a missing time as 0.
       with self._naming(path):
         mtime = self.fs.modified(self._key(path)).timestamp()
     return int(info.get("size") or 0), mtime
+
+  def _object_info(self, path: str) -> dict:
+    """The store's metadata of the object at `path`: one request.
+
+    (gcsfs' `info` also lists the name as a prefix, in parallel.)
+
+    Raises:
+      FileNotFoundError: No object there.
+      NotRegularFileError: Only a prefix is there.
+    """
+    key = self._key(path)
+    get_object = getattr(self.fs, "_get_object", None)
+    with self._naming(path):
+      if get_object is not None and getattr(self.fs, "loop", None):
+        import fsspec.asyn  # pylint: disable=g-import-not-at-top
+        try:
+          info = fsspec.asyn.sync(self.fs.loop, get_object, key)
+        except FileNotFoundError:
+          info = self.fs.info(key)  # a prefix, or nothing: say which
+      else:
+        info = self.fs.info(key)
+    if info.get("type") == "directory":
+      raise errors.NotRegularFileError(path, "a directory (a prefix)")
+    return info
 
   def check_regular_file(self, path: str) -> None:
     self.stat(path)
@@ -378,10 +399,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     Raises:
       FileNotFoundError: No object at `path`.
     """
-    with self._naming(path):
-      info = self.fs.info(self._key(path))
-    if info.get("type") == "directory":
-      raise errors.NotRegularFileError(path, "a directory (a prefix)")
+    info = self._object_info(path)
     size = int(info.get("size") or 0)
     version = next((str(info[f]) for f in ("generation", "ETag", "etag",
                                              "VersionId", "md5Hash")
