@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import datetime
 import errno
 import inspect
@@ -87,6 +88,65 @@ _SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+)://", re.I)
 
 MissingBackendError = errors.MissingBackendError
 StoreAccessError = errors.StoreAccessError
+
+# Metadata answers kept while a `metadata_cache()` block runs (None: none).
+_METADATA: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "clu_ckpt_bucket_metadata", default=None)
+
+
+@contextlib.contextmanager
+def metadata_cache() -> Iterator[None]:
+  """Within the block, each listing and object's metadata is asked for once.
+
+  One read-only operation (a load, an inspection) asks the same questions
+  many times (does the directory exist, what does it hold, how large is
+  each file); on a bucket each is a round trip. Inside this block (in this
+  thread or task) the answers are kept and reused; any write, removal or
+  exclusive create through this module forgets them. Blocks nest. Outside
+  them nothing is cached, so other processes' writes are seen at once.
+
+  Example::
+
+    with fsspec_fs.metadata_cache():
+      state = checkpoint.load_state_dict("gs://b/run")
+  """
+  if _METADATA.get() is not None:
+    yield
+    return
+  token = _METADATA.set({})
+  try:
+    yield
+  finally:
+    _METADATA.reset(token)
+
+
+def _forget_metadata() -> None:
+  cache = _METADATA.get()
+  if cache is not None:
+    cache.clear()
+
+
+def _cached(method: Callable) -> Callable:
+  """Keeps `method(self, path)`'s answer (or error) in the active cache."""
+
+  def wrapper(self: "FsspecFileSystem", path: str) -> Any:
+    cache = _METADATA.get()
+    if cache is None:
+      return method(self, path)
+    key = (self._scheme, method.__name__, path.rstrip("/"))
+    if key not in cache:
+      try:
+        cache[key] = (True, method(self, path))
+      except (FileNotFoundError, errors.NotRegularFileError) as e:
+        cache[key] = (False, e)
+    ok, value = cache[key]
+    if not ok:
+      raise value
+    return list(value) if isinstance(value, list) else value
+
+  wrapper.__name__ = method.__name__
+  wrapper.__doc__ = method.__doc__
+  return wrapper
 
 
 def configure_environment() -> None:
@@ -273,14 +333,33 @@ class FsspecFileSystem(filesystem.FileSystem):
 
   # -- the seam ---------------------------------------------------------------
 
+  @_cached
   def exists(self, path: str) -> bool:
-    with self._naming(path):
-      return bool(self.fs.exists(self._key(path)))
+    if not split_url(path)[2]:  # a bucket
+      with self._naming(path):
+        return bool(self.fs.exists(self._key(path)))
+    try:
+      self._object_info(path)  # the one request `stat`, `isdir` reuse
+    except errors.NotRegularFileError:
+      return True  # a prefix
+    except FileNotFoundError:
+      return False
+    return True
 
+  @_cached
   def isdir(self, path: str) -> bool:
-    with self._naming(path):
-      return bool(self.fs.isdir(self._key(path)))
+    if not split_url(path)[2]:
+      with self._naming(path):
+        return bool(self.fs.isdir(self._key(path)))
+    try:
+      self._object_info(path)
+    except errors.NotRegularFileError:
+      return True
+    except FileNotFoundError:
+      return False
+    return False
 
+  @_cached
   def listdir(self, path: str) -> list[str]:
     key = self._key(path).rstrip("/")
     with self._naming(path):
@@ -289,6 +368,7 @@ class FsspecFileSystem(filesystem.FileSystem):
              if e.rstrip("/") != key}
     return sorted(n for n in names if n)
 
+  @_cached
   def glob(self, pattern: str) -> list[str]:
     with self._naming(pattern):
       found = self.fs.glob(self._key(pattern))
@@ -311,6 +391,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     self._buckets.add(bucket)
 
   def remove(self, path: str) -> None:
+    _forget_metadata()
     with self._naming(path):
       try:
         self.fs.rm_file(self._key(path))
@@ -319,6 +400,7 @@ class FsspecFileSystem(filesystem.FileSystem):
 
   def remove_tree(self, path: str) -> None:
     """Removes every object under `path/` (not `path10/`), and `path`."""
+    _forget_metadata()
     key = self._key(path).rstrip("/")
     with self._naming(path):
       try:
@@ -340,6 +422,7 @@ class FsspecFileSystem(filesystem.FileSystem):
         mtime = self.fs.modified(self._key(path)).timestamp()
     return int(info.get("size") or 0), mtime
 
+  @_cached
   def _object_info(self, path: str) -> dict:
     """The store's metadata of the object at `path`: one request.
 
@@ -472,6 +555,7 @@ class FsspecFileSystem(filesystem.FileSystem):
   @contextlib.contextmanager
   def atomic_writer(self, path: str) -> Iterator[Callable[[Any], None]]:
     """Streams into an upload that completes only if the block succeeds."""
+    _forget_metadata()
     self.makedirs(path)
     with self._naming(path):
       f = self.fs.open(self._key(path), "wb", block_size=UPLOAD_BLOCK)
@@ -484,6 +568,7 @@ class FsspecFileSystem(filesystem.FileSystem):
       raise
     with self._naming(path):
       f.close()
+    _forget_metadata()
 
   def create_exclusive(self, path: str, data: bytes) -> None:
     """Writes `data` at `path` only if no object is there, atomically.
@@ -491,6 +576,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     Raises:
       FileExistsError: An object is already at `path`.
     """
+    _forget_metadata()
     self.makedirs(path)
     if not _has_exclusive_create(self.fs):
       raise NotImplementedError(

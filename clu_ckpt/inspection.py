@@ -246,6 +246,7 @@ def tree_summary(flax_path: str) -> dict[str, Any]:
       total_bytes=sum(l.nbytes for l in leaves))
 
 
+@storage.metadata_cache()  # one operation: each listing asked once
 def inspect_path(path: str, checkpoint: Optional[int] = None) -> dict[str, Any]:
   """Describes a CLU directory, multihost base or `.flax` file.
 
@@ -398,6 +399,7 @@ def _human(n: Optional[int]) -> str:
 # --------------------------------------------------------------------------
 
 
+@storage.metadata_cache()  # one operation: each listing asked once
 def verify_path(path: str,
                 progress: Optional[Callable[..., None]] = None
                 ) -> dict[str, Any]:
