@@ -65,6 +65,7 @@ import re
 import sys
 import tempfile
 import threading
+import uuid
 from typing import Any, Callable, Iterator, Optional
 
 from clu_ckpt import errors
@@ -78,8 +79,16 @@ from clu_ckpt import filesystem
 SPOOL_CHUNK = 8 * 2**20
 SPOOL_READS = 8
 # Uploads are sent in parts of this many bytes (GCS wants multiples of 256
-# KiB, S3 parts of at least 5 MiB).
-UPLOAD_BLOCK = 16 * 2**20
+# KiB, S3 parts of at least 5 MiB), `streams()` parts at a time: an object
+# larger than one part goes up as parts the store joins into the object
+# (GCS: a parallel composite upload, `compose`; S3: a multipart upload).
+# Memory: (streams() + 1) parts at most, 72 MiB with the defaults.
+UPLOAD_BLOCK = 8 * 2**20
+# GCS composes at most this many objects in one request.
+_COMPOSE_MAX = 32
+# Where GCS parts wait to be composed: beside the bucket's objects, under
+# this prefix (removed when the upload ends, well or not).
+PARTS_PREFIX = ".clu_ckpt-parts"
 
 # Which package serves a scheme, and which extra installs it.
 _PACKAGES = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
@@ -554,21 +563,27 @@ class FsspecFileSystem(filesystem.FileSystem):
 
   @contextlib.contextmanager
   def atomic_writer(self, path: str) -> Iterator[Callable[[Any], None]]:
-    """Streams into an upload that completes only if the block succeeds."""
+    """Streams into an upload that completes only if the block succeeds.
+
+    Up to `UPLOAD_BLOCK` bytes: one request when the block ends. Larger
+    objects go up in parts of `UPLOAD_BLOCK` bytes, `streams()` at a time,
+    which the store joins when the block ends (GCS: temporary objects under
+    `PARTS_PREFIX`, composed into the object, then removed; S3: a multipart
+    upload, completed). If the block raises (or an upload fails), the parts
+    are removed or the multipart upload aborted: no object appears.
+    """
     _forget_metadata()
     self.makedirs(path)
-    with self._naming(path):
-      f = self.fs.open(self._key(path), "wb", block_size=UPLOAD_BLOCK)
+    upload = _PartsUpload(self, path)
     try:
-      yield f.write
+      yield upload.write
+      with self._naming(path):
+        upload.commit()
     except BaseException:
-      with contextlib.suppress(Exception):
-        f.discard()
-      f.closed = True  # or fsspec's __del__ would try to complete it
+      upload.abort()
       raise
-    with self._naming(path):
-      f.close()
-    _forget_metadata()
+    finally:
+      _forget_metadata()
 
   def create_exclusive(self, path: str, data: bytes) -> None:
     """Writes `data` at `path` only if no object is there, atomically.
@@ -592,6 +607,138 @@ class FsspecFileSystem(filesystem.FileSystem):
         if _status(e) in (409, 412):
           raise FileExistsError(17, "already exists", path) from None
         raise
+
+
+class _PartsUpload:
+  """One object's upload: a single request, or parts sent in parallel."""
+
+  def __init__(self, owner: "FsspecFileSystem", path: str):
+    self._owner, self._path = owner, path
+    self._fs = owner.fs
+    self._key = owner._key(path)  # pylint: disable=protected-access
+    self._s3 = type(self._fs).__module__.split(".")[0] == "s3fs"
+    self._buf = bytearray()
+    self._parts: dict[int, Any] = {}  # number -> GCS part name / S3 ETag
+    self._futures: list[concurrent.futures.Future] = []
+    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+    self._slots: Optional[threading.BoundedSemaphore] = None
+    self._upload_id: Optional[str] = None
+    self._tmp = f"{PARTS_PREFIX}/{uuid.uuid4().hex}"
+    self._done = False
+
+  def write(self, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+      take = min(UPLOAD_BLOCK - len(self._buf), len(view))
+      self._buf += view[:take]
+      view = view[take:]
+      if len(self._buf) >= UPLOAD_BLOCK:
+        self._send()
+
+  def _send(self) -> None:
+    """Sends the buffered bytes as the next part."""
+    if self._pool is None:
+      width = streams()
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          width, thread_name_prefix="clu_ckpt-upload")
+      self._slots = threading.BoundedSemaphore(width)
+      if self._s3:
+        bucket, key = self._key.split("/", 1)
+        with self._owner._naming(self._path):  # pylint: disable=protected-access
+          self._upload_id = self._fs.call_s3(
+              "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    self._check()
+    self._slots.acquire()  # at most streams() parts held and in flight
+    number = len(self._futures) + 1
+    data = bytes(self._buf)  # the buffer is dropped: one copy in flight
+    self._buf = bytearray()
+    try:
+      future = self._pool.submit(self._put, number, data)
+    except BaseException:
+      self._slots.release()
+      raise
+    future.add_done_callback(lambda _: self._slots.release())
+    self._futures.append(future)
+
+  def _put(self, number: int, part: bytes) -> None:
+    bucket, key = self._key.split("/", 1)
+    with self._owner._naming(self._path):  # pylint: disable=protected-access
+      if self._s3:
+        out = self._fs.call_s3(
+            "upload_part", Bucket=bucket, Key=key, UploadId=self._upload_id,
+            PartNumber=number, Body=part)
+        self._parts[number] = out["ETag"]
+      else:
+        name = f"{bucket}/{self._tmp}/{number:06d}"
+        self._parts[number] = name  # to remove, even if the upload fails
+        self._fs.pipe_file(name, part)
+
+  def _check(self) -> None:
+    """Raises the first failure of a part sent so far."""
+    for future in self._futures:
+      if future.done() and future.exception() is not None:
+        raise future.exception()
+
+  def commit(self) -> None:
+    if self._pool is None:  # small: one request
+      self._fs.pipe_file(self._key, bytes(self._buf))
+      self._done = True
+      return
+    if self._buf or not self._futures:
+      self._send()
+    for future in self._futures:
+      future.result()
+    bucket, key = self._key.split("/", 1)
+    if self._s3:
+      self._fs.call_s3(
+          "complete_multipart_upload", Bucket=bucket, Key=key,
+          UploadId=self._upload_id, MultipartUpload={"Parts": [
+              {"PartNumber": n, "ETag": self._parts[n]}
+              for n in sorted(self._parts)]})
+    else:
+      self._compose([self._parts[n] for n in sorted(self._parts)])
+      self._remove_parts()
+    self._done = True
+    self._pool.shutdown()
+
+  def _compose(self, names: list[str]) -> None:
+    """Joins `names` into the object (in rounds of at most 32 each)."""
+    level = 0
+    while len(names) > _COMPOSE_MAX:
+      level += 1
+      bucket = self._key.split("/", 1)[0]
+      joined = []
+      for i in range(0, len(names), _COMPOSE_MAX):
+        name = f"{bucket}/{self._tmp}/c{level}-{i:06d}"
+        self._parts[f"c{level}-{i}"] = name
+        self._fs.merge(name, names[i:i + _COMPOSE_MAX])
+        joined.append(name)
+      names = joined
+    self._fs.merge(self._key, names)
+
+  def _remove_parts(self) -> None:
+    names = [v for v in self._parts.values() if isinstance(v, str) and
+             "/" + PARTS_PREFIX + "/" in "/" + v]
+    if names:
+      with contextlib.suppress(Exception):
+        self._fs.rm(names)
+
+  def abort(self) -> None:
+    """Stops the upload and removes what it sent; nothing appears."""
+    if self._done:
+      return
+    if self._pool is not None:
+      for future in self._futures:
+        future.cancel()
+      self._pool.shutdown(wait=True)
+      if self._s3 and self._upload_id:
+        bucket, key = self._key.split("/", 1)
+        with contextlib.suppress(Exception):
+          self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
+                           UploadId=self._upload_id)
+      if not self._s3:
+        self._remove_parts()
+    self._done = True
 
 
 def streams() -> int:
