@@ -354,6 +354,10 @@ def _report(result: dict) -> str:
     s = med(method, "seconds")
     rate = size / s / _MB
     streams = med(method, "streams")
+    if "@" in method:  # the streams it was told to use
+      streams = int(method.split("@")[1])
+    elif method.startswith("naive"):
+      streams = 1
     link = link_rate(int(streams)) if streams else None
     frac = f"{rate / link:7.2f}" if link and method.split("@")[0] not in (
         "inspect", "step", "kernel", "ceiling", "direct") else "      -"

@@ -78,6 +78,7 @@ from clu_ckpt import filesystem
 # set, overrides SPOOL_READS (see `streams`).
 SPOOL_CHUNK = 8 * 2**20
 SPOOL_READS = 8
+_MIN_CHUNK = 2**20
 # Uploads are sent in parts of this many bytes (GCS wants multiples of 256
 # KiB, S3 parts of at least 5 MiB), `streams()` parts at a time: an object
 # larger than one part goes up as parts the store joins into the object
@@ -504,7 +505,8 @@ class FsspecFileSystem(filesystem.FileSystem):
                  size: int) -> int:
     """Copies byte ranges of an object into file `fd` at the same offsets.
 
-    Ranges longer than `SPOOL_CHUNK` are split; `streams()` reads are kept
+    Ranges are split into pieces of `SPOOL_CHUNK` bytes (less for objects
+    under 10 x that x `streams()`: at least 1 MiB); `streams()` reads are kept
     in flight at all times (a new one starts as soon as one ends, not in
     batches), and each range's bytes are written to `fd` as soon as they
     arrive, so at most `streams()` chunks are held in memory.
@@ -517,8 +519,12 @@ class FsspecFileSystem(filesystem.FileSystem):
         changed), or the local copy could not be written.
     """
     key = self._key(path)
-    pieces = [(s, min(s + SPOOL_CHUNK, end)) for start, end in ranges
-              for s in range(start, end, SPOOL_CHUNK)]
+    width = streams()
+    # Ranges of SPOOL_CHUNK, smaller for small objects: what is in flight
+    # (held about twice as it arrives) stays near 0.2x the object.
+    chunk = min(SPOOL_CHUNK, max(_MIN_CHUNK, size // (10 * width)))
+    pieces = [(s, min(s + chunk, end)) for start, end in ranges
+              for s in range(start, end, chunk)]
     if not pieces:
       return 0
 
@@ -540,7 +546,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     if len(pieces) == 1:
       fetch(pieces[0])
       return 1
-    width = min(streams(), len(pieces))
+    width = min(width, len(pieces))
     todo = iter(pieces)
     with concurrent.futures.ThreadPoolExecutor(
         width, thread_name_prefix="clu_ckpt-spool") as pool:
