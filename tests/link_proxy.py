@@ -182,6 +182,10 @@ class LinkProxy:
     finally:
       receiving.cancel()
       try:
+        await asyncio.gather(receiving, return_exceptions=True)
+      except asyncio.CancelledError:
+        pass
+      try:
         writer.write_eof()
       except (OSError, RuntimeError):
         pass
