@@ -170,6 +170,9 @@ def test_streams_setting_is_checked(monkeypatch):
     fsspec_fs.streams()
   monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", "3")
   assert fsspec_fs.streams() == 3
+  monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "x")
+  with pytest.raises(ValueError, match="CLU_CKPT_BUCKET_UPLOAD_STREAMS"):
+    fsspec_fs.upload_streams()
 
 
 def test_a_corrupt_file_is_fetched_whole_and_named(proxy):
@@ -201,7 +204,7 @@ def _leftovers(proxy, bucket):
 
 def test_a_large_object_goes_up_in_parallel_parts(proxy, monkeypatch):
   monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 5 * _MIB)
-  monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", "4")
+  monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "4")
   bucket = proxy.store.bucket()
   url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
   data = os.urandom(23 * _MIB + 5)
@@ -223,7 +226,7 @@ def test_a_large_object_goes_up_in_parallel_parts(proxy, monkeypatch):
 
 def test_a_failed_parallel_upload_leaves_nothing(proxy, monkeypatch):
   monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 5 * _MIB)
-  monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", "3")
+  monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "3")
   bucket = proxy.store.bucket()
   url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
   with pytest.raises(KeyError):
