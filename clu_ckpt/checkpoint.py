@@ -262,7 +262,8 @@ class Checkpoint:
       raise ImportError(
           f"Checkpoint({self.base_directory!r}): saving, or restoring a "
           "tf_state, needs TensorFlow, which cannot be imported. Install it "
-          "with `pip install tensorflow-cpu` (or `pip install clu_ckpt[tf]`); "
+          "with `pip install tensorflow-cpu` (or `pip install -e '.[tf]'` in "
+          "a clu_ckpt checkout); "
           "reading the Flax state alone (load_state_dict, load_state, "
           "restore_dict) works without it.") from e
     tf_checkpoint = tf.train.Checkpoint(**self._tf_state)

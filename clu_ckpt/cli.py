@@ -43,13 +43,11 @@ import logging
 import os
 import re
 import sys
-import threading
 import traceback
 from typing import Any, Iterator, Optional, Sequence, TextIO
 
-from absl import logging as absl_logging
-
 from clu_ckpt import __version__
+from clu_ckpt import library_logs
 from clu_ckpt import progress
 
 _MIB = 2**20
@@ -74,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"clu-ckpt {args.command}: error: {name.upper()} is empty",
             file=sys.stderr)
       return 2
-  with _quiet_libraries(args.verbose):
+  with library_logs.quieted(args.verbose):
     try:
       return args.run(args)
     except KeyboardInterrupt as e:
@@ -146,37 +144,6 @@ def _parser() -> argparse.ArgumentParser:
   _add_verify(subparsers)
   _add_migrate(subparsers)
   return parser
-
-
-_NOISY_LOGGERS = ("absl", "asyncio", "jax", "orbax", "tensorflow",
-                  "google.auth")
-
-
-@contextlib.contextmanager
-def _quiet_libraries(verbose: bool) -> Iterator[None]:
-  """Keeps TensorFlow, JAX and Orbax logging off the terminal meanwhile."""
-  if verbose:
-    yield
-    return
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  verbosity = absl_logging.get_verbosity()
-  levels = {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}
-  # Errors too: Orbax logs each failed write with its traceback, and the
-  # command reports every failure itself, in one line.
-  absl_logging.set_verbosity(absl_logging.FATAL)
-  for name in _NOISY_LOGGERS:
-    logging.getLogger(name).setLevel(logging.CRITICAL)
-  # An abandoned step's writes (Ctrl-C) end in TensorStore callbacks that
-  # find Orbax's event loop closed: Python would print each one.
-  hooks = sys.unraisablehook, threading.excepthook
-  sys.unraisablehook = threading.excepthook = lambda *_: None
-  try:
-    yield
-  finally:
-    sys.unraisablehook, threading.excepthook = hooks
-    absl_logging.set_verbosity(verbosity)
-    for name, level in levels.items():
-      logging.getLogger(name).setLevel(level)
 
 
 def _import_tensorflow_quietly() -> None:

@@ -26,7 +26,7 @@ Synopsis::
   @pytest.mark.thorough("s3")  # only the s3 variant waits for --thorough
   def test_killed_holder_is_taken_over(bucket_store): ...
 
-`python -m pytest -q tests` is the quick run (two minutes on two cores): it
+`python -m pytest -q tests` is the quick run (its time: docs/FIGURES.md): it
 skips the `soak` tests (each has a quick version in the default run) and the
 `thorough` ones (a real-process race, kill or fleet run whose family keeps a
 representative in the quick run, or the second store of a test both stores
