@@ -19,8 +19,9 @@ Synopsis::
 
 from __future__ import annotations
 
-import asyncio
+import queue
 import re
+import socket
 import threading
 import time
 from typing import Optional
@@ -34,6 +35,10 @@ _RANGE = re.compile(rb"(?im)^range: *([^\r\n]+)")
 
 class LinkProxy:
   """Forwards 127.0.0.1:<port> to 127.0.0.1:`target_port`, counting.
+
+  Plain threads and sockets: two per direction of each connection when the
+  link is shaped (one receives, one sends when each chunk is due), one
+  otherwise.
 
   Attributes:
     url: `http://127.0.0.1:<port>` once started.
@@ -50,18 +55,19 @@ class LinkProxy:
     self.rtt = rtt
     self.rate = rate
     self.url = ""
-    self._loop: Optional[asyncio.AbstractEventLoop] = None
-    self._thread: Optional[threading.Thread] = None
-    self._server = None
     self._lock = threading.Lock()
     self._open = 0
+    self._stopping = threading.Event()
+    self._listener: Optional[socket.socket] = None
+    self._sockets: set = set()
+    self._threads: list = []
     self.reset()
 
   def reset(self) -> None:
     """Sets every counter back to zero."""
-    with getattr(self, "_lock", threading.Lock()):
+    with self._lock:
       self.down = self.up = self.connections = 0
-      self.max_open = getattr(self, "_open", 0)
+      self.max_open = self._open
       self.request_lines: list[tuple[str, Optional[str]]] = []
 
   @property
@@ -69,42 +75,25 @@ class LinkProxy:
     return len(self.request_lines)
 
   def start(self) -> "LinkProxy":
-    ready = threading.Event()
-
-    def run() -> None:
-      self._loop = asyncio.new_event_loop()
-      asyncio.set_event_loop(self._loop)
-      self._server = self._loop.run_until_complete(asyncio.start_server(
-          self._handle, "127.0.0.1", 0, limit=_CHUNK))
-      port = self._server.sockets[0].getsockname()[1]
-      self.url = f"http://127.0.0.1:{port}"
-      ready.set()
-      self._loop.run_forever()
-
-    self._thread = threading.Thread(target=run, daemon=True,
-                                    name="link-proxy")
-    self._thread.start()
-    if not ready.wait(10):
-      raise RuntimeError("the proxy did not start")
+    self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    self._listener.bind(("127.0.0.1", 0))
+    self._listener.listen(128)
+    self._listener.settimeout(0.2)
+    self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+    self._spawn(self._accept)
     return self
 
   def stop(self) -> None:
-    if self._loop is None:
-      return
-
-    async def close() -> None:
-      self._server.close()
-      tasks = [t for t in asyncio.all_tasks()
-               if t is not asyncio.current_task()]
-      for task in tasks:
-        task.cancel()
-      await asyncio.gather(*tasks, return_exceptions=True)
-
-    asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
-    self._loop.call_soon_threadsafe(self._loop.stop)
-    self._thread.join(10)
-    self._loop.close()
-    self._loop = None
+    self._stopping.set()
+    with self._lock:
+      sockets = list(self._sockets)
+    for sock in sockets:
+      _close(sock)
+    for thread in list(self._threads):
+      thread.join(5)
+    if self._listener is not None:
+      _close(self._listener)
 
   def __enter__(self) -> "LinkProxy":
     return self.start()
@@ -114,81 +103,121 @@ class LinkProxy:
 
   # -- forwarding ---------------------------------------------------------------
 
-  async def _handle(self, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter) -> None:
-    try:
-      up_reader, up_writer = await asyncio.open_connection(
-          "127.0.0.1", self.target_port, limit=_CHUNK)
-    except OSError:
-      writer.close()
-      return
-    with self._lock:
-      self.connections += 1
-      self._open += 1
-      self.max_open = max(self.max_open, self._open)
-    try:
-      await asyncio.gather(self._pump(reader, up_writer, True),
-                           self._pump(up_reader, writer, False))
-    except (OSError, asyncio.CancelledError):
-      pass
-    finally:  # pylint: disable=lost-exception
+  def _spawn(self, target, *args) -> None:
+    thread = threading.Thread(target=target, args=args, daemon=True,
+                              name="link-proxy")
+    self._threads.append(thread)
+    thread.start()
+
+  def _accept(self) -> None:
+    while not self._stopping.is_set():
+      try:
+        client, _ = self._listener.accept()
+      except socket.timeout:
+        continue
+      except OSError:
+        return
+      try:
+        upstream = socket.create_connection(("127.0.0.1", self.target_port))
+      except OSError:
+        _close(client)
+        continue
+      for sock in (client, upstream):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       with self._lock:
-        self._open -= 1
-      for w in (writer, up_writer):
-        w.close()
+        self.connections += 1
+        self._open += 1
+        self.max_open = max(self.max_open, self._open)
+        self._sockets.update((client, upstream))
+      done = []
+      self._spawn(self._pipe, client, upstream, True, done)
+      self._spawn(self._pipe, upstream, client, False, done)
 
-  async def _pump(self, reader: asyncio.StreamReader,
-                  writer: asyncio.StreamWriter, upward: bool) -> None:
-    """Copies one direction, delayed by rtt/2 and paced to `rate`."""
-    queue: asyncio.Queue = asyncio.Queue()
+  def _pipe(self, src: socket.socket, dst: socket.socket, upward: bool,
+            done: list) -> None:
+    shaped = self.rtt > 0 or self.rate
+    chunks: queue.Queue = queue.Queue()
+    if shaped:
+      self._spawn(self._send_when_due, chunks, dst, upward)
     pending = b""
-
-    async def receive() -> None:
-      nonlocal pending
-      while True:
-        data = await reader.read(_CHUNK)
-        queue.put_nowait((time.monotonic(), data))
-        if not data:
-          return
-        if upward:
-          pending = self._note_requests(pending + data)
-
-    receiving = asyncio.ensure_future(receive())
-    sent = 0
-    started = None
     try:
       while True:
-        arrived, data = await queue.get()
+        try:
+          data = src.recv(_CHUNK)
+        except OSError:
+          data = b""
+        if upward and data:
+          pending = self._note_requests(pending + data)
+        if shaped:
+          chunks.put((time.monotonic(), data))
+        elif data:
+          try:
+            dst.sendall(data)
+          except OSError:
+            data = b""
+          self._count(upward, len(data))
         if not data:
           break
-        wait = arrived + self.rtt / 2 - time.monotonic()
-        if wait > 0:
-          await asyncio.sleep(wait)
-        if self.rate:
-          now = time.monotonic()
-          if started is None or now - started > sent / self.rate + 0.05:
-            started, sent = now, 0  # idle: the link was free meanwhile
-          sent += len(data)
-          ahead = started + sent / self.rate - time.monotonic()
-          if ahead > 0:
-            await asyncio.sleep(ahead)
-        writer.write(data)
-        await writer.drain()
-        with self._lock:
-          if upward:
-            self.up += len(data)
-          else:
-            self.down += len(data)
     finally:
-      receiving.cancel()
+      if not shaped:
+        self._finish(src, dst, done)
+      else:
+        chunks.put((None, (src, done)))
+
+  def _send_when_due(self, chunks: queue.Queue, dst: socket.socket,
+                     upward: bool) -> None:
+    """Sends each chunk rtt/2 after it arrived, at most `rate` bytes/s."""
+    sent, started = 0, None
+    broken = False
+    while True:
+      arrived, data = chunks.get()
+      if arrived is None:
+        src, done = data
+        self._finish(src, dst, done)
+        return
+      if broken or not data:
+        continue
+      wait = arrived + self.rtt / 2 - time.monotonic()
+      if wait > 0:
+        time.sleep(wait)
+      if self.rate:
+        now = time.monotonic()
+        if started is None or now - started > sent / self.rate + 0.05:
+          started, sent = now, 0  # idle: the link was free meanwhile
+        sent += len(data)
+        ahead = started + sent / self.rate - time.monotonic()
+        if ahead > 0:
+          time.sleep(ahead)
       try:
-        await asyncio.gather(receiving, return_exceptions=True)
-      except asyncio.CancelledError:
-        pass
-      try:
-        writer.write_eof()
-      except (OSError, RuntimeError):
-        pass
+        dst.sendall(data)
+      except OSError:
+        broken = True
+        continue
+      self._count(upward, len(data))
+
+  def _count(self, upward: bool, n: int) -> None:
+    with self._lock:
+      if upward:
+        self.up += n
+      else:
+        self.down += n
+
+  def _finish(self, src: socket.socket, dst: socket.socket,
+              done: list) -> None:
+    """Passes the end on; closes both sockets when both directions ended."""
+    try:
+      dst.shutdown(socket.SHUT_WR)
+    except OSError:
+      pass
+    with self._lock:
+      done.append(src)
+      last = len(done) == 2
+      if last:
+        self._open -= 1
+        self._sockets.difference_update((src, dst))
+    if last:
+      _close(src)
+      _close(dst)
 
   def _note_requests(self, data: bytes) -> bytes:
     """Records the requests whose headers are complete; returns the tail."""
@@ -206,3 +235,10 @@ class LinkProxy:
         self.request_lines.extend(found)
     tail = data[end:]
     return tail[-8192:]  # a request line split across reads
+
+
+def _close(sock: socket.socket) -> None:
+  try:
+    sock.close()
+  except OSError:
+    pass
