@@ -89,9 +89,14 @@ class LinkProxy:
     with self._lock:
       sockets = list(self._sockets)
     for sock in sockets:
+      try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+      except OSError:
+        pass
       _close(sock)
+    deadline = time.monotonic() + 5
     for thread in list(self._threads):
-      thread.join(5)
+      thread.join(max(0.0, deadline - time.monotonic()))
     if self._listener is not None:
       _close(self._listener)
 
