@@ -46,7 +46,8 @@ class LinkProxy:
     up: Bytes sent from clients to the target.
     connections: Connections accepted.
     request_lines: ("GET /path HTTP/1.1", "bytes=0-99" or None) per request.
-    max_open: The most connections open at once.
+    max_open: The most connections opened since the last `reset` open at
+      once.
   """
 
   def __init__(self, target_port: int, *, rtt: float = 0.0,
@@ -67,7 +68,11 @@ class LinkProxy:
     """Sets every counter back to zero."""
     with self._lock:
       self.down = self.up = self.connections = 0
-      self.max_open = self._open
+      # Connections opened before this reset (a client's pool) are not
+      # counted in max_open.
+      self._generation = getattr(self, "_generation", 0) + 1
+      self._open_now = 0
+      self.max_open = 0
       self.request_lines: list[tuple[str, Optional[str]]] = []
 
   @property
@@ -129,12 +134,14 @@ class LinkProxy:
         continue
       for sock in (client, upstream):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+      done: list = []
       with self._lock:
         self.connections += 1
         self._open += 1
-        self.max_open = max(self.max_open, self._open)
+        self._open_now += 1
+        self.max_open = max(self.max_open, self._open_now)
         self._sockets.update((client, upstream))
-      done = []
+        done.append(self._generation)
       self._spawn(self._pipe, client, upstream, True, done)
       self._spawn(self._pipe, upstream, client, False, done)
 
@@ -216,9 +223,11 @@ class LinkProxy:
       pass
     with self._lock:
       done.append(src)
-      last = len(done) == 2
+      last = len(done) == 3  # the generation, then both directions
       if last:
         self._open -= 1
+        if done[0] == self._generation:
+          self._open_now -= 1
         self._sockets.difference_update((src, dst))
     if last:
       _close(src)

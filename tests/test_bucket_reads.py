@@ -152,7 +152,8 @@ def test_map_keeps_n_reads_in_flight(proxy, monkeypatch):
   data = os.urandom(5 * _MIB + 17)
   url = f"{proxy.store.scheme}://{proxy.store.bucket()}/run/blob"
   proxy.store.fs().pipe_file(url.split("://", 1)[1], data)
-  proxy.reset()
+  storage._INSTANCES.pop(proxy.store.scheme, None)  # pylint: disable=protected-access
+  proxy.reset()  # a fresh client: no pooled connections
   proxy.rtt = 0.05  # so that reads overlap visibly
   try:
     buf = storage.map_file(url)
@@ -208,6 +209,7 @@ def test_a_large_object_goes_up_in_parallel_parts(proxy, monkeypatch):
   bucket = proxy.store.bucket()
   url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
   data = os.urandom(23 * _MIB + 5)
+  storage.makedirs(url)  # the bucket checked, by the client used below
   proxy.reset()
   proxy.rtt = 0.05  # so that parts overlap visibly
   try:
