@@ -1,40 +1,44 @@
-"""Benchmarks a migration from a bucket into a bucket, against the naive path.
+"""Benchmarks bucket reads and writes through a modelled link, against naive paths.
 
 Synopsis::
 
-  python benchmarks/bench_buckets.py --size-gib 0.5 --runs 3 --json out.json
+  python benchmarks/bench_buckets.py --size-gib 0.47 --runs 3 --json out.json
+  python benchmarks/bench_buckets.py --methods load,naive_load --runs 5
   python benchmarks/bench_buckets.py --from-json out.json   # report again
 
-Everything runs against fake-gcs-server on 127.0.0.1 (started here, the
-emulator of `tests/emulators.py`, with its file-system back end under
-`--workdir`), so the figures are the client's costs plus a local store's, not
-a real bucket's: read them as ratios, and as fractions of what the same
-emulator takes and serves measured in the same run.
+Everything runs against fake-gcs-server on 127.0.0.1 (`tests/emulators.py`;
+`--backend memory` for its in-memory store, whose uploads are not serialised
+by one lock as the file-system store's are), reached through
+`tests/link_proxy.py`: a proxy on 127.0.0.1 that adds `--rtt-ms` of round
+trip (30) and lets each connection carry at most `--mbps` MB/s (60) each way,
+and counts the bytes and requests that cross it. A CLU checkpoint of about
+`--size-gib` GiB (written as `bench_migration.py` writes it: float32 kernels
+and bfloat16 moments of 64 MiB, a `step` first) is uploaded to the emulator
+directly. Each measurement runs in a fresh process; per round:
 
-A CLU checkpoint of about `--size-gib` GiB (one checkpoint, float32
-parameters and bfloat16 moments, a tf.data iterator; written as
-`bench_migration.py` writes it) is uploaded to `gs://<bucket>/run`. Each
-round then runs, each in a fresh process:
+- `link@N`: what N connections of the modelled link carry: the `.flax`
+  downloaded by N ranged reads of 32 MiB always in flight (gcsfs
+  `cat_file`), through the proxy; `ceiling@N` the same through an unshaped
+  proxy (the proxy's own limit) and `direct@N` straight from the emulator
+  (its own service time).
+- `naive_load`: gcsfs `cat_file` of the whole `.flax` (one stream), then
+  `flax.serialization.msgpack_restore`; `load`: `clu_ckpt.checkpoint.
+  load_state_dict(url)` (`load@N`: with CLU_CKPT_BUCKET_STREAMS=N).
+- `inspect`: `clu_ckpt.inspection.inspect_path(url)` (what `clu-ckpt inspect`
+  prints); `step`: `load_state_dict(url, subtree="step")`; `kernel`: one
+  64 MiB kernel, `subtree="params/layer_0000/kernel"`.
+- `naive_put`: gcsfs `pipe_file` of as many bytes as the `.flax` (one
+  stream); `save`: `clu_ckpt.checkpoint.Checkpoint(url).save(state)` of a
+  state of that size (TensorFlow imported before the clock starts);
+  `save_flax`: its `.flax` alone (`flax_format.save_file`).
+- `naive_migrate`: `cat_file`, `msgpack_restore`, Orbax `CheckpointManager.
+  save`; `migrate`: `clu_ckpt.migration.migrate(url, url2)`.
 
-- `store`: the emulator's own limits: the source `.flax` downloaded in
-  16 MiB ranges (4 at a time) and discarded, and as many bytes written by
-  TensorStore (what both migrations write with) as 64 MiB values, all at
-  once;
-- `naive`: the `.flax` downloaded whole (`gcsfs.cat_file`),
-  `flax.serialization.msgpack_restore`, then Orbax `CheckpointManager`
-  `save(StandardSave(...))` into `gs://<bucket>/naive-<run>`;
-- `clu_ckpt`: `clu_ckpt.migration.migrate("gs://<bucket>/run",
-  "gs://<bucket>/clu-<run>")` (all items: state, dataset, metadata), with
-  the default write window for a bucket; `clu_ckpt@N` with a window of N
-  MiB (`--methods naive,clu_ckpt,clu_ckpt@64`).
-
-Each migration child records its RssAnon (anonymous memory, not the page
-cache, which also holds `map`'s spooled copy) after its imports as the
-baseline, then samples it every 5 ms. Reported per method (medians): wall
-time, naive / method, source MB/s (10^6 bytes/s) and that as a fraction of
-the store's upload rate measured in the same round, and the extra peak
-RssAnon as a fraction of the checkpoint size (issue 14 item 2: at most
-0.25x) and of naive's.
+Reported per method (medians): seconds, MB/s of the `.flax` (10^6 bytes/s),
+that as a fraction of `link@N` for the N streams it used (the most
+connections open at once at the proxy), bytes downloaded and requests made,
+ratio to the naive path, and extra peak RssAnon as a fraction of the
+checkpoint; with the machine's load average (`uptime`) at each measurement.
 """
 
 import argparse
@@ -52,7 +56,9 @@ sys.path.insert(0, str(_HERE))
 sys.path.insert(0, str(_HERE.parent / "tests"))
 
 _MB = 1e6
-_CHUNK = 16 * 2**20
+_RANGE = 32 * 2**20
+_DEFAULT_METHODS = ("link@1,link@8,ceiling@8,direct@8,naive_load,load,"
+                    "inspect,step,kernel,naive_put,save,naive_migrate,migrate")
 
 
 def _peak_sampler():
@@ -70,37 +76,145 @@ def _rss_anon() -> int:
 # --------------------------------------------------------------------------
 
 
-def _child_store(src: str, dst: str) -> dict:
+def _gcsfs():
   import gcsfs  # pylint: disable=g-import-not-at-top
-  fs = gcsfs.GCSFileSystem(skip_instance_cache=True, use_listings_cache=False)
+  return gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True,
+                             use_listings_cache=False)
+
+
+def _child_link(src: str, dst: str, n: str = "1") -> dict:
+  """The `.flax` by N ranged reads always in flight, discarded."""
+  del dst
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  fs = _gcsfs()
   key = src[len("gs://"):] + "/ckpt-1.flax"
   size = fs.info(key)["size"]
+  starts = list(range(0, size, _RANGE))
   start = time.perf_counter()
-  starts = list(range(0, size, _CHUNK))
-  for i in range(0, len(starts), 4):
-    fs.cat_ranges([key] * len(starts[i:i + 4]), starts[i:i + 4],
-                  [min(s + _CHUNK, size) for s in starts[i:i + 4]])
-  read = time.perf_counter() - start
-  # Written as the migrations write: TensorStore, 64 MiB values, concurrent.
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  bucket, _, prefix = dst[len("gs://"):].partition("/")
-  kv = ts.KvStore.open({"driver": "gcs", "bucket": bucket,
-                        "path": prefix + "/"}).result()
-  block = os.urandom(64 * 2**20)
-  start = time.perf_counter()
-  futures = [kv.write(f"blob{i}", block) for i in range(0, size, len(block))]
-  for f in futures:
-    f.result()
-  write = time.perf_counter() - start
-  fs.rm(dst[len("gs://"):], recursive=True)
-  return {"bytes": size, "read_s": read, "write_s": write}
+  with concurrent.futures.ThreadPoolExecutor(int(n)) as pool:
+    for data in pool.map(
+        lambda s: len(fs.cat_file(key, start=s, end=min(s + _RANGE, size))),
+        starts):
+      pass
+  return {"seconds": time.perf_counter() - start, "bytes": size}
 
 
-def _child_naive(src: str, dst: str) -> dict:
-  import gcsfs  # pylint: disable=g-import-not-at-top
+def _warm(url: str) -> None:
+  """Imports the bucket client before the clock starts (as naive's does)."""
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  storage.filesystem(url).fs  # pylint: disable=expression-not-assigned
+
+
+def _child_naive_load(src: str, dst: str) -> dict:
+  del dst
+  from flax import serialization  # pylint: disable=g-import-not-at-top
+  fs = _gcsfs()
+  base = _rss_anon()
+  start = time.perf_counter()
+  with _peak_sampler() as peak:
+    data = fs.cat_file(src[len("gs://"):] + "/ckpt-1.flax")
+    state = serialization.msgpack_restore(data)
+    del data, state
+  return {"seconds": time.perf_counter() - start,
+          "extra_rss": peak.peak - base}
+
+
+def _child_load(src: str, dst: str, n: str = "") -> dict:
+  del dst
+  if n:
+    os.environ["CLU_CKPT_BUCKET_STREAMS"] = n
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  base = _rss_anon()
+  _warm(src)
+  start = time.perf_counter()
+  with _peak_sampler() as peak:
+    state = checkpoint.load_state_dict(src)
+    del state
+  return {"seconds": time.perf_counter() - start,
+          "extra_rss": peak.peak - base}
+
+
+def _child_inspect(src: str, dst: str) -> dict:
+  del dst
+  from clu_ckpt import inspection  # pylint: disable=g-import-not-at-top
+  _warm(src)
+  start = time.perf_counter()
+  text = inspection.format_inspect(inspection.inspect_path(src))
+  assert "layer_0000" in text or "ckpt-1" in text, text
+  return {"seconds": time.perf_counter() - start}
+
+
+def _child_subtree(src: str, subtree: str) -> dict:
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  _warm(src)
+  start = time.perf_counter()
+  value = checkpoint.load_state_dict(src, subtree=subtree)
+  del value
+  return {"seconds": time.perf_counter() - start}
+
+
+def _child_step(src: str, dst: str) -> dict:
+  del dst
+  return _child_subtree(src, "step")
+
+
+def _child_kernel(src: str, dst: str) -> dict:
+  del dst
+  return _child_subtree(src, "params/layer_0000/kernel")
+
+
+def _state_like(src: str) -> dict:
+  """A state of as many bytes as the source's `.flax` (random float32s)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  size = _gcsfs().info(src[len("gs://"):] + "/ckpt-1.flax")["size"]
+  rng = np.random.default_rng(0)
+  n = 16 * 2**20
+  return {"step": 1, "params": {
+      f"w{i:03d}": rng.standard_normal(min(n, (size - i * n * 4) // 4),
+                                       dtype=np.float32)
+      for i in range(-(-size // (n * 4)))}}
+
+
+def _child_naive_put(src: str, dst: str) -> dict:
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  data = flax_format.save(_state_like(src))
+  fs = _gcsfs()
+  start = time.perf_counter()
+  fs.pipe_file(dst[len("gs://"):] + "/blob", data)
+  return {"seconds": time.perf_counter() - start}
+
+
+def _child_save(src: str, dst: str) -> dict:
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  state = _state_like(src)
+  base = _rss_anon()
+  _warm(src)
+  ckpt = checkpoint.Checkpoint(dst)
+  ckpt.tf_checkpoint_manager  # pylint: disable=pointless-statement
+  start = time.perf_counter()  # TensorFlow imported, the manager made
+  with _peak_sampler() as peak:
+    ckpt.save(state)
+  return {"seconds": time.perf_counter() - start,
+          "extra_rss": peak.peak - base}
+
+
+def _child_save_flax(src: str, dst: str) -> dict:
+  """The `.flax` part of a save alone: `flax_format.save_file`."""
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  state = _state_like(src)
+  base = _rss_anon()
+  _warm(src)
+  start = time.perf_counter()
+  with _peak_sampler() as peak:
+    flax_format.save_file(state, dst + "/ckpt-1.flax")
+  return {"seconds": time.perf_counter() - start,
+          "extra_rss": peak.peak - base}
+
+
+def _child_naive_migrate(src: str, dst: str) -> dict:
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from flax import serialization  # pylint: disable=g-import-not-at-top
-  fs = gcsfs.GCSFileSystem(skip_instance_cache=True, use_listings_cache=False)
+  fs = _gcsfs()
   base = _rss_anon()
   start = time.perf_counter()
   with _peak_sampler() as peak:
@@ -115,29 +229,31 @@ def _child_naive(src: str, dst: str) -> dict:
           "extra_rss": peak.peak - base}
 
 
-def _child_clu_ckpt(src: str, dst: str, inflight_mib: int = 0) -> dict:
-  import clu_ckpt  # pylint: disable=g-import-not-at-top
+def _child_migrate(src: str, dst: str) -> dict:
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
   base = _rss_anon()
+  _warm(src)
   start = time.perf_counter()
   with _peak_sampler() as peak:
-    summary = migration.migrate(
-        src, dst, inflight_bytes=inflight_mib * 2**20 or None)
+    summary = migration.migrate(src, dst)
   failed = [str(r) for r in summary.failed]
   if failed:
     raise RuntimeError(f"migration failed: {failed}")
   return {"seconds": time.perf_counter() - start,
-          "extra_rss": peak.peak - base,
-          "module": clu_ckpt.__file__}
+          "extra_rss": peak.peak - base}
 
 
-_CHILDREN = {"store": _child_store, "naive": _child_naive,
-             "clu_ckpt": _child_clu_ckpt}
+_CHILDREN = {"link": _child_link, "ceiling": _child_link,
+             "direct": _child_link, "naive_load": _child_naive_load,
+             "load": _child_load, "inspect": _child_inspect,
+             "step": _child_step, "kernel": _child_kernel,
+             "naive_put": _child_naive_put, "save": _child_save,
+             "save_flax": _child_save_flax,
+             "naive_migrate": _child_naive_migrate, "migrate": _child_migrate}
 
 
 def _run_child(method: str, src: str, dst: str, env: dict) -> dict:
-  """One measurement in a fresh process; `clu_ckpt@N` sets the window."""
   out = subprocess.run(
       [sys.executable, __file__, "--child", method, "--src", src, "--dst",
        dst], env=env, capture_output=True, text=True, timeout=3600)
@@ -151,87 +267,144 @@ def _run_child(method: str, src: str, dst: str, env: dict) -> dict:
 # --------------------------------------------------------------------------
 
 
+def _load_average() -> float:
+  return os.getloadavg()[0]
+
+
 def _measure(args) -> dict:
   import bench_migration  # pylint: disable=g-import-not-at-top
   import emulators  # pylint: disable=g-import-not-at-top
+  import link_proxy  # pylint: disable=g-import-not-at-top
   work = pathlib.Path(args.workdir)
   shutil.rmtree(work, ignore_errors=True)
   work.mkdir(parents=True)
   os.environ.update(emulators.ENV)
-  gcs = emulators.FakeGcs(work / "emulator")
+  gcs = emulators.FakeGcs(work / "emulator", backend=args.backend)
   gcs.start()
+  shaped = link_proxy.LinkProxy(gcs.port, rtt=args.rtt_ms / 1000,
+                                rate=args.mbps * _MB).start()
+  plain = link_proxy.LinkProxy(gcs.port).start()
   try:
-    env = gcs.child_env()
-    os.environ.update(env)
+    direct_env = gcs.child_env()
+    os.environ.update(direct_env)
     source = work / "source"
     bench_migration._make_source(str(source), args.size_gib)  # pylint: disable=protected-access
     bucket = gcs.bucket()
     src = gcs.upload(source, "run", bucket=bucket)
     size = (source / "ckpt-1.flax").stat().st_size
     shutil.rmtree(source)
+
+    def env_for(proxy):
+      return gcs.child_env(STORAGE_EMULATOR_HOST=proxy.url,
+                           TENSORSTORE_GCS_HTTP_URL=proxy.url)
+
     runs = []
     for i in range(args.runs):
-      row = {"store": _run_child("store", src, f"gs://{bucket}/store-{i}",
-                                 env)}
+      row = {}
       for method in args.methods:
+        kind = method.split("@")[0]
+        proxy = {"ceiling": plain, "direct": None}.get(kind, shaped)
+        env = direct_env if proxy is None else env_for(proxy)
         name = method.replace("@", "-")
-        row[method] = _run_child(method, src, f"gs://{bucket}/{name}-{i}",
-                                 env)
-        gcs.fs().rm(f"{bucket}/{name}-{i}", recursive=True)
-        print(f"round {i + 1}: {method} {row[method]['seconds']:.2f}s",
-              file=sys.stderr)
+        dst = f"gs://{bucket}/{name}-{i}"
+        load = _load_average()
+        if proxy is not None:
+          proxy.reset()
+        result = _run_child(method, src, dst, env)
+        if proxy is not None:
+          result.update(down=proxy.down, up=proxy.up,
+                        requests=proxy.requests, streams=proxy.max_open)
+        result["load"] = load
+        row[method] = result
+        with_prefix = f"{bucket}/{name}-{i}"
+        fs = gcs.fs()
+        if fs.exists(with_prefix):
+          fs.rm(with_prefix, recursive=True)
+        print(f"round {i + 1}: {method} {result['seconds']:.2f}s "
+              f"(load {load:.1f})", file=sys.stderr)
       runs.append(row)
-    return {"size_bytes": size, "size_gib": args.size_gib, "runs": runs}
+    return {"size_bytes": size, "size_gib": args.size_gib, "runs": runs,
+            "rtt_ms": args.rtt_ms, "mbps": args.mbps,
+            "backend": args.backend}
   finally:
+    shaped.stop()
+    plain.stop()
     gcs.stop()
 
 
 def _report(result: dict) -> str:
   size = result["size_bytes"]
   runs = result["runs"]
+  methods = list(runs[0])
 
-  def med(method, field):
-    return statistics.median(r[method][field] for r in runs)
+  def med(method, field, default=None):
+    values = [r[method][field] for r in runs
+              if r.get(method, {}).get(field) is not None]
+    return statistics.median(values) if values else default
 
-  upload = size / med("store", "write_s") / _MB
-  download = size / med("store", "read_s") / _MB
-  naive_s, naive_rss = med("naive", "seconds"), med("naive", "extra_rss")
+  def link_rate(streams):
+    """MB/s the link carries for `streams` connections (measured or nearest)."""
+    measured = {int(m.split("@")[1]): size / med(m, "seconds") / _MB
+                for m in methods if m.startswith("link@")}
+    if not measured:
+      return None
+    if streams in measured:
+      return measured[streams]
+    # Between measured points: the per-stream rate of the nearest.
+    nearest = min(measured, key=lambda k: abs(k - streams))
+    return min(measured[nearest] * streams / nearest,
+               max(measured.values()))
+
+  naive = {"load": "naive_load", "save": "naive_put",
+           "save_flax": "naive_put",
+           "migrate": "naive_migrate"}
   lines = [
-      f"checkpoint: {size / 2**30:.2f} GiB (.flax), {len(runs)} runs, "
-      "medians; fake-gcs-server on 127.0.0.1",
-      f"store: download {download:.0f} MB/s, upload {upload:.0f} MB/s",
+      f"checkpoint: {size / 2**20:.0f} MiB (.flax), {len(runs)} runs, medians;"
+      f" fake-gcs-server ({result.get('backend', 'filesystem')} back end) on "
+      f"127.0.0.1 behind a proxy of {result['rtt_ms']} ms round trip and "
+      f"{result['mbps']} MB/s per connection",
       "",
-      "method       seconds  naive/x  MB/s  of upload  extra RssAnon  x size  "
-      "x naive's",
-      "-----------  -------  -------  ----  ---------  -------------  ------  "
-      "---------"]
-  methods = [m for m in runs[0] if m != "store"]
+      "method          seconds   MB/s  streams  of link  x naive  MiB down  "
+      "requests  RssAnon/size  load",
+      "--------------  -------  -----  -------  -------  -------  --------  "
+      "--------  ------------  ----"]
   for method in methods:
-    s, rss = med(method, "seconds"), med(method, "extra_rss")
+    s = med(method, "seconds")
     rate = size / s / _MB
+    streams = med(method, "streams")
+    if "@" in method:  # the streams it was told to use
+      streams = int(method.split("@")[1])
+    elif method.startswith("naive"):
+      streams = 1
+    link = link_rate(int(streams)) if streams else None
+    frac = f"{rate / link:7.2f}" if link and method.split("@")[0] not in (
+        "inspect", "step", "kernel", "ceiling", "direct") else "      -"
+    base = naive.get(method.split("@")[0])
+    ratio = (f"{med(base, 'seconds') / s:7.2f}" if base in methods
+             else "      -")
+    down = med(method, "down")
+    rss = med(method, "extra_rss")
     lines.append(
-        f"{method:<11}  {s:7.2f}  {naive_s / s:7.2f}  {rate:4.0f}  "
-        f"{rate / upload:9.2f}  {rss / 2**20:9.0f} MiB  {rss / size:6.2f}  "
-        f"{rss / naive_rss:9.2f}")
-  lines.append("")
-  for method in methods:
-    if method.startswith("clu_ckpt"):
-      rss = med(method, "extra_rss")
-      lines.append(f"issue 14 item 2, {method}: extra memory <= 0.25x the "
-                   f"checkpoint: {rss / size:.2f}x -> "
-                   f"{'met' if rss <= 0.25 * size else 'NOT met'}")
+        f"{method:<14}  {s:7.2f}  {rate:5.0f}  "
+        f"{streams if streams is not None else '-':>7}  {frac}  {ratio}  "
+        f"{(down or 0) / 2**20:8.1f}  {med(method, 'requests', 0):8.0f}  "
+        f"{(rss / size) if rss is not None else float('nan'):12.2f}  "
+        f"{med(method, 'load'):4.1f}")
   return "\n".join(lines)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--size-gib", type=float, default=0.5)
+  parser.add_argument("--size-gib", type=float, default=0.47)
   parser.add_argument("--runs", type=int, default=3)
+  parser.add_argument("--rtt-ms", type=float, default=30)
+  parser.add_argument("--mbps", type=float, default=60)
+  parser.add_argument("--backend", default="filesystem",
+                      choices=["filesystem", "memory"])
   parser.add_argument("--workdir", default="/tmp/clu_ckpt_bench_buckets")
-  parser.add_argument(
-      "--methods", type=lambda t: t.split(","), default=["naive", "clu_ckpt"],
-      help="naive, clu_ckpt (the default window for a bucket), clu_ckpt@N "
-      "(a window of N MiB)")
+  parser.add_argument("--methods", type=lambda t: t.split(","),
+                      default=_DEFAULT_METHODS.split(","),
+                      help="comma-separated; see the module docstring")
   parser.add_argument("--json")
   parser.add_argument("--from-json")
   parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -239,8 +412,8 @@ def main() -> None:
   parser.add_argument("--dst", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    method, _, inflight = args.child.partition("@")
-    extra = (int(inflight),) if inflight else ()
+    method, _, arg = args.child.partition("@")
+    extra = (arg,) if arg else ()
     print(json.dumps(_CHILDREN[method](args.src, args.dst, *extra)))
     return
   if args.from_json:

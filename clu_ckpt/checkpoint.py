@@ -81,6 +81,7 @@ def safe_normpath(path: str) -> str:
 host_directories = layout.host_directories
 
 
+@storage.metadata_cache()  # one operation: each listing asked once
 def load_state_dict(base_directory: str, *,
                     subtree: Union[None, str, Sequence[str]] = None,
                     checkpoint: Union[None, str, int] = None,

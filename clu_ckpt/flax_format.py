@@ -71,6 +71,7 @@ from typing import Any, Optional, Sequence, Union
 
 from clu_ckpt import errors
 from clu_ckpt import flax_encode
+from clu_ckpt import flax_ranges
 from clu_ckpt import storage
 # Re-exported: flax_format.X is the public name of each (see the docstring).
 from clu_ckpt.flax_decode import _Reader
@@ -275,9 +276,17 @@ def load_file(path: str, *, writable: bool = False,
       would need more memory than the bound above.
   """
   # A subtree touches only its own pages: the file is not read in whole.
-  whole = not _subtree_keys(subtree)
-  return load(_open(path, populate=whole), writable=writable, subtree=subtree,
-              name=path)
+  keys = _subtree_keys(subtree)
+  if keys and flax_ranges.is_remote(path):
+    # In a bucket: the headers and the subtree's arrays, by ranged reads.
+    remote = _open_remote(path, keys)
+    remote.fetch_subtree(keys)
+    value = load(remote.spool.map, writable=writable, subtree=keys,
+                 name=path)
+    remote.fetch_views(value)
+    return value
+  return load(_open(path, populate=not keys), writable=writable,
+              subtree=subtree, name=path)
 
 
 def inspect_file(path: str) -> list[LeafInfo]:
@@ -304,6 +313,8 @@ def inspect_file(path: str) -> list[LeafInfo]:
       (chunked arrays included: their shape must match their chunks, as
       `load` requires), or would need more memory than the bound above.
   """
+  if flax_ranges.is_remote(path):  # a bucket's: its headers only
+    return _reader(_open_remote(path).spool.map, path, False).leaves()
   reader = _reader(_open(path, populate=False), path, False)
   return reader.leaves()
 
@@ -366,8 +377,16 @@ class FlaxFile:
         inspection), so that only the pages touched are read.
     """
     self.path = path
-    self._buffer: Any = _open(path, populate=read_data)
+    # A bucket's file read for its headers: fetched by ranges, its arrays
+    # only when `tree` or `subtree` needs them.
+    self._remote: Optional[flax_ranges.RemoteFlax] = None
+    if not read_data and flax_ranges.is_remote(path):
+      self._remote = _open_remote(path)
+      self._buffer: Any = self._remote.spool.map
+    else:
+      self._buffer = _open(path, populate=read_data)
     self._parsed: Optional[tuple[Any, list[LeafInfo]]] = None
+    self._leaves: Optional[list[LeafInfo]] = None
 
   def __enter__(self) -> "FlaxFile":
     return self
@@ -379,11 +398,22 @@ class FlaxFile:
     """Drops the handle's references to the mapping and the parsed tree."""
     self._buffer = None
     self._parsed = None
+    self._leaves = None
+    self._remote = None
+
+  def _check_open(self) -> None:
+    if self._buffer is None:
+      raise ValueError(f"{self.path}: FlaxFile is closed")
+
+  def _headers_only(self) -> bool:
+    """Whether only a bucket file's headers are here (no parse yet)."""
+    return self._parsed is None and self._remote is not None
 
   def _parse(self) -> tuple[Any, list[LeafInfo]]:
     if self._parsed is None:
-      if self._buffer is None:
-        raise ValueError(f"{self.path}: FlaxFile is closed")
+      self._check_open()
+      if self._remote is not None:
+        self._remote.fetch_all()  # each byte not here yet, once
       reader = _reader(self._buffer, self.path, False)
       self._parsed = reader.tree_and_leaves()
     return self._parsed
@@ -396,6 +426,11 @@ class FlaxFile:
   @property
   def leaves(self) -> list[LeafInfo]:
     """The leaves, as `inspect_file(path)` lists them."""
+    if self._headers_only():
+      if self._leaves is None:
+        self._check_open()
+        self._leaves = _reader(self._buffer, self.path, False).leaves()
+      return self._leaves
     return self._parse()[1]
 
   @property
@@ -409,8 +444,14 @@ class FlaxFile:
     Raises:
       FlaxFormatError: There is no such subtree.
     """
-    node = self.tree
     wanted = _subtree_keys(keys)
+    if wanted and self._headers_only():
+      self._check_open()
+      self._remote.fetch_subtree(wanted)
+      value = _reader(self._buffer, self.path, False).root(wanted)
+      self._remote.fetch_views(value)
+      return value
+    node = self.tree
     for depth, key in enumerate(wanted):
       where = "/" + "/".join(wanted[:depth])
       if not isinstance(node, dict):
@@ -444,6 +485,13 @@ def _open(path: str, *, populate: bool) -> Any:
   if len(buffer) == 0:
     raise FlaxFormatError("empty file", path, 0)
   return buffer
+
+
+def _open_remote(path: str, keys: tuple = ()) -> "flax_ranges.RemoteFlax":
+  remote = flax_ranges.open_remote(path, keys)
+  if remote.spool.size == 0:
+    raise FlaxFormatError("empty file", path, 0)
+  return remote
 
 
 def _subtree_keys(subtree: Subtree) -> tuple:

@@ -6,16 +6,22 @@ imported here: a Colab reads a bucket's checkpoint with these two packages.
 
 How the store's semantics map onto the seam:
 
-- **Reads are ranged.** `read_bytes(path, offset, length)` fetches those bytes
-  only. `map` streams the object in `SPOOL_CHUNK`-byte ranges (8 MiB,
-  `SPOOL_READS` = 4 of them in flight) into an unlinked file in the temporary directory
-  (`$TMPDIR`) and memory-maps it: the process never holds the object in
-  anonymous memory, the kernel pages the copy in and out like any local
-  file, and the copy disappears when the last view of it is dropped. An
-  object that changes size while it is read raises an OSError naming it.
-- **Writes commit by upload.** `atomic_writer` streams into an upload
-  (resumable on GCS, multipart on S3) that completes when the block ends;
-  if the block raises, the upload is discarded and no object appears.
+- **Reads are ranged, and fetch what they use.** `read_bytes(path, offset,
+  length)` fetches those bytes only. `spool(path)` is a `SparseSpool`: a
+  sparse local copy of the object in the temporary directory (`$TMPDIR`),
+  memory-mapped, filled by ranged reads only where asked (each byte at most
+  once); `flax_ranges` reads a `.flax`'s headers into one. `map` fills a
+  spool whole, `streams()` ranges (8, `CLU_CKPT_BUCKET_STREAMS`) always in
+  flight: the process never holds the object in anonymous memory, the kernel
+  pages the copy in and out like any local file, and the copy disappears
+  when the last view of it is dropped. An object that changes size while it
+  is read raises an OSError naming it.
+- **Writes commit by upload.** `atomic_writer` sends up to `UPLOAD_BLOCK`
+  bytes as one upload when the block ends; larger objects go up as parts,
+  `upload_streams()` at a time, that the store joins when the block ends
+  (GCS: temporary objects under `PARTS_PREFIX`, composed, then removed; S3:
+  a multipart upload). If the block raises, the parts are removed or the
+  upload aborted, and no object appears.
 - **No rename**: object stores have none that is atomic; `rename` raises
   NotImplementedError and callers commit by upload instead.
 - **Exclusive create**: `create_exclusive` writes an object only if none
@@ -23,8 +29,10 @@ How the store's semantics map onto the seam:
   the destination lock is built on.
 - **Directories are prefixes**: `makedirs` creates nothing, but checks the
   bucket exists, so a misspelt bucket fails at once, by name.
-- **No caching between calls**: listings are never cached, so a second
-  process' writes are seen at once.
+- **No caching between operations**: listings and metadata are kept only
+  inside a `metadata_cache()` block (one load or inspection), and forgotten
+  at any write through this module; so a second process' writes are seen
+  at the next operation.
 - **An unreachable store fails fast.** Until the store has answered once in
   this process, a request gets no retries and at most `FIRST_CONTACT_SECONDS`
   (10 s) to answer: a wrong endpoint, a store that refuses connections, no
@@ -64,6 +72,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import datetime
 import errno
 import inspect
@@ -73,19 +82,34 @@ import re
 import sys
 import tempfile
 import threading
+import uuid
 from typing import Any, Callable, Iterator, Optional
 
 from clu_ckpt import errors
 from clu_ckpt import filesystem
 
-# `map` reads an object in ranges of this many bytes, this many at a time
-# (the client holds each range about twice while it arrives: 8 MiB x 4 peaks
-# at ~56 MiB of anonymous memory; 16 MiB x 4 at ~128 MiB, and no faster).
+# `map` reads an object in ranges of this many bytes, SPOOL_READS of them in
+# flight at all times (a new one starts as each ends). The client holds each
+# range about twice while it arrives: 8 MiB x 8 peaks at ~110 MiB of
+# anonymous memory. The environment variable CLU_CKPT_BUCKET_STREAMS, when
+# set, overrides SPOOL_READS (see `streams`).
 SPOOL_CHUNK = 8 * 2**20
-SPOOL_READS = 4
+SPOOL_READS = 8
+_MIN_CHUNK = 2**20
 # Uploads are sent in parts of this many bytes (GCS wants multiples of 256
-# KiB, S3 parts of at least 5 MiB).
-UPLOAD_BLOCK = 16 * 2**20
+# KiB, S3 parts of at least 5 MiB), UPLOAD_STREAMS parts at a time (the
+# environment variable CLU_CKPT_BUCKET_UPLOAD_STREAMS overrides it): an
+# object larger than one part goes up as parts the store joins into the
+# object (GCS: a parallel composite upload, `compose`; S3: a multipart
+# upload). The clients hold each part about 3 times while it is sent: 4 x 8
+# MiB parts in flight peak at ~100 MiB of anonymous memory (8 at ~190 MiB).
+UPLOAD_BLOCK = 8 * 2**20
+UPLOAD_STREAMS = 4
+# GCS composes at most this many objects in one request.
+_COMPOSE_MAX = 32
+# Where GCS parts wait to be composed: beside the bucket's objects, under
+# this prefix (removed when the upload ends, well or not).
+PARTS_PREFIX = ".clu_ckpt-parts"
 
 # Which package serves a scheme, and which extra installs it.
 _PACKAGES = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
@@ -101,6 +125,65 @@ _S3_UPLOADS = ("put_object", "upload_part")
 
 MissingBackendError = errors.MissingBackendError
 StoreAccessError = errors.StoreAccessError
+
+# Metadata answers kept while a `metadata_cache()` block runs (None: none).
+_METADATA: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "clu_ckpt_bucket_metadata", default=None)
+
+
+@contextlib.contextmanager
+def metadata_cache() -> Iterator[None]:
+  """Within the block, each listing and object's metadata is asked for once.
+
+  One read-only operation (a load, an inspection) asks the same questions
+  many times (does the directory exist, what does it hold, how large is
+  each file); on a bucket each is a round trip. Inside this block (in this
+  thread or task) the answers are kept and reused; any write, removal or
+  exclusive create through this module forgets them. Blocks nest. Outside
+  them nothing is cached, so other processes' writes are seen at once.
+
+  Example::
+
+    with fsspec_fs.metadata_cache():
+      state = checkpoint.load_state_dict("gs://b/run")
+  """
+  if _METADATA.get() is not None:
+    yield
+    return
+  token = _METADATA.set({})
+  try:
+    yield
+  finally:
+    _METADATA.reset(token)
+
+
+def _forget_metadata() -> None:
+  cache = _METADATA.get()
+  if cache is not None:
+    cache.clear()
+
+
+def _cached(method: Callable) -> Callable:
+  """Keeps `method(self, path)`'s answer (or error) in the active cache."""
+
+  def wrapper(self: "FsspecFileSystem", path: str) -> Any:
+    cache = _METADATA.get()
+    if cache is None:
+      return method(self, path)
+    key = (self._scheme, method.__name__, path.rstrip("/"))
+    if key not in cache:
+      try:
+        cache[key] = (True, method(self, path))
+      except (FileNotFoundError, errors.NotRegularFileError) as e:
+        cache[key] = (False, e)
+    ok, value = cache[key]
+    if not ok:
+      raise value
+    return list(value) if isinstance(value, list) else value
+
+  wrapper.__name__ = method.__name__
+  wrapper.__doc__ = method.__doc__
+  return wrapper
 
 
 class StoreUnreachableError(OSError):
@@ -298,14 +381,33 @@ class FsspecFileSystem(filesystem.FileSystem):
 
   # -- the seam ---------------------------------------------------------------
 
+  @_cached
   def exists(self, path: str) -> bool:
-    with self._naming(path):
-      return bool(self.fs.exists(self._key(path)))
+    if not split_url(path)[2]:  # a bucket
+      with self._naming(path):
+        return bool(self.fs.exists(self._key(path)))
+    try:
+      self._object_info(path)  # the one request `stat`, `isdir` reuse
+    except errors.NotRegularFileError:
+      return True  # a prefix
+    except FileNotFoundError:
+      return False
+    return True
 
+  @_cached
   def isdir(self, path: str) -> bool:
-    with self._naming(path):
-      return bool(self.fs.isdir(self._key(path)))
+    if not split_url(path)[2]:
+      with self._naming(path):
+        return bool(self.fs.isdir(self._key(path)))
+    try:
+      self._object_info(path)
+    except errors.NotRegularFileError:
+      return True
+    except FileNotFoundError:
+      return False
+    return False
 
+  @_cached
   def listdir(self, path: str) -> list[str]:
     key = self._key(path).rstrip("/")
     with self._naming(path):
@@ -314,6 +416,7 @@ class FsspecFileSystem(filesystem.FileSystem):
              if e.rstrip("/") != key}
     return sorted(n for n in names if n)
 
+  @_cached
   def glob(self, pattern: str) -> list[str]:
     """The objects and prefixes matching `pattern`, sorted.
 
@@ -343,6 +446,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     self._buckets.add(bucket)
 
   def remove(self, path: str) -> None:
+    _forget_metadata()
     with self._naming(path):
       try:
         self.fs.rm_file(self._key(path))
@@ -351,6 +455,7 @@ class FsspecFileSystem(filesystem.FileSystem):
 
   def remove_tree(self, path: str) -> None:
     """Removes every object under `path/` (not `path10/`), and `path`."""
+    _forget_metadata()
     key = self._key(path).rstrip("/")
     with self._naming(path):
       try:
@@ -364,16 +469,38 @@ class FsspecFileSystem(filesystem.FileSystem):
         self.fs.rm_file(key)
 
   def stat(self, path: str) -> tuple[int, float]:
-    with self._naming(path):
-      info = self.fs.info(self._key(path))
-    if info.get("type") == "directory":
-      raise errors.NotRegularFileError(path, "a directory (a prefix)")
+    info = self._object_info(path)
     mtime = _mtime(info)
     if not mtime:
       # The lease judges staleness by it: never take a missing time as 0.
       with self._naming(path):
         mtime = self.fs.modified(self._key(path)).timestamp()
     return int(info.get("size") or 0), mtime
+
+  @_cached
+  def _object_info(self, path: str) -> dict:
+    """The store's metadata of the object at `path`: one request.
+
+    (gcsfs' `info` also lists the name as a prefix, in parallel.)
+
+    Raises:
+      FileNotFoundError: No object there.
+      NotRegularFileError: Only a prefix is there.
+    """
+    key = self._key(path)
+    get_object = getattr(self.fs, "_get_object", None)
+    with self._naming(path):
+      if get_object is not None and getattr(self.fs, "loop", None):
+        import fsspec.asyn  # pylint: disable=g-import-not-at-top
+        try:
+          info = fsspec.asyn.sync(self.fs.loop, get_object, key)
+        except FileNotFoundError:
+          info = self.fs.info(key)  # a prefix, or nothing: say which
+      else:
+        info = self.fs.info(key)
+    if info.get("type") == "directory":
+      raise errors.NotRegularFileError(path, "a directory (a prefix)")
+    return info
 
   def check_regular_file(self, path: str) -> None:
     self.stat(path)
@@ -389,60 +516,126 @@ class FsspecFileSystem(filesystem.FileSystem):
   def map(self, path: str, *, populate: bool = True) -> Any:
     """The object, spooled by ranged reads into an unlinked temporary file.
 
-    `populate` is ignored: the whole object is fetched (only the ranges of
-    `read_bytes` are cheaper).
+    `populate` is ignored: the whole object is fetched, `streams()` ranges
+    always in flight (only the ranges of `read_bytes`, or a `SparseSpool`
+    filled on demand, are cheaper).
 
     Raises:
       FileNotFoundError: No object at `path`.
       OSError: The object changed size while it was read.
     """
     del populate
-    size, _ = self.stat(path)
-    if size == 0:
+    spool = self.spool(path)
+    if spool.size == 0:
       return b""
+    spool.fill()
+    return spool.map
+
+  def spool(self, path: str) -> "SparseSpool":
+    """An empty `SparseSpool` of the object at `path` (one metadata request).
+
+    Raises:
+      FileNotFoundError: No object at `path`.
+    """
+    info = self._object_info(path)
+    size = int(info.get("size") or 0)
+    version = next((str(info[f]) for f in ("generation", "ETag", "etag",
+                                             "VersionId", "md5Hash")
+                    if info.get(f)), "")
+    spool = SparseSpool(self, path, size)
+    spool.identity = (path, size, _mtime(info), version)
+    return spool
+
+  def fetch_into(self, path: str, fd: int, ranges: list[tuple[int, int]],
+                 size: int) -> int:
+    """Copies byte ranges of an object into file `fd` at the same offsets.
+
+    Ranges are split into pieces of `SPOOL_CHUNK` bytes (less for objects
+    under 10 x that x `streams()`: at least 1 MiB); `streams()` reads are kept
+    in flight at all times (a new one starts as soon as one ends, not in
+    batches), and each range's bytes are written to `fd` as soon as they
+    arrive, so at most `streams()` chunks are held in memory.
+
+    Returns:
+      The number of requests made.
+
+    Raises:
+      OSError: A read failed, returned fewer bytes than asked (the object
+        changed), or the local copy could not be written.
+    """
     key = self._key(path)
-    starts = list(range(0, size, SPOOL_CHUNK))
-    with tempfile.TemporaryFile(prefix="clu_ckpt-spool-") as spool:
-      fd = spool.fileno()
-      _reserve(fd, size, path)
+    width = streams()
+    # Ranges of SPOOL_CHUNK, smaller for small objects: what is in flight
+    # (held about twice as it arrives) stays near 0.2x the object.
+    chunk = min(SPOOL_CHUNK, max(_MIN_CHUNK, size // (10 * width)))
+    pieces = [(s, min(s + chunk, end)) for start, end in ranges
+              for s in range(start, end, chunk)]
+    if not pieces:
+      return 0
 
-      def fetch(start: int) -> None:
-        end = min(start + SPOOL_CHUNK, size)
-        with self._naming(path):
-          data = self.fs.cat_file(key, start=start or None, end=end)
-        if len(data) != end - start:
-          raise OSError(f"{path}: the object changed while it was read "
-                        f"({len(data)} bytes at {start}, {end - start} "
-                        "expected)")
-        view = memoryview(data)
-        try:
-          while view:
-            view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
-        except OSError as e:
-          raise _spool_error(e, path, size) from e
+    def fetch(piece: tuple[int, int]) -> None:
+      start, end = piece
+      with self._naming(path):
+        data = self.fs.cat_file(key, start=start or None, end=end)
+      if len(data) != end - start:
+        raise OSError(f"{path}: the object changed while it was read "
+                      f"({len(data)} bytes at {start}, {end - start} "
+                      "expected)")
+      view = memoryview(data)
+      try:
+        while view:
+          view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+      except OSError as e:
+        raise _spool_error(e, path, size) from e
 
-      with concurrent.futures.ThreadPoolExecutor(
-          SPOOL_READS, thread_name_prefix="clu_ckpt-spool") as pool:
-        # Submitted in windows, so that at most SPOOL_READS chunks are held.
-        for i in range(0, len(starts), SPOOL_READS):
-          list(pool.map(fetch, starts[i:i + SPOOL_READS]))
-      return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    if len(pieces) == 1:
+      fetch(pieces[0])
+      return 1
+    width = min(width, len(pieces))
+    todo = iter(pieces)
+    with concurrent.futures.ThreadPoolExecutor(
+        width, thread_name_prefix="clu_ckpt-spool") as pool:
+      running = {pool.submit(fetch, p) for p in
+                 (next(todo) for _ in range(width))}
+      try:
+        while running:
+          done, running = concurrent.futures.wait(
+              running, return_when=concurrent.futures.FIRST_COMPLETED)
+          for future in done:
+            future.result()  # raises the first failure
+            piece = next(todo, None)
+            if piece is not None:
+              running.add(pool.submit(fetch, piece))
+      except BaseException:
+        for future in running:
+          future.cancel()
+        raise
+    return len(pieces)
 
   @contextlib.contextmanager
   def atomic_writer(self, path: str) -> Iterator[Callable[[Any], None]]:
-    """Streams into an upload that completes only if the block succeeds."""
+    """Streams into an upload that completes only if the block succeeds.
+
+    Up to `UPLOAD_BLOCK` bytes: one request when the block ends. Larger
+    objects go up in parts of `UPLOAD_BLOCK` bytes, `upload_streams()` at a
+    time,
+    which the store joins when the block ends (GCS: temporary objects under
+    `PARTS_PREFIX`, composed into the object, then removed; S3: a multipart
+    upload, completed). If the block raises (or an upload fails), the parts
+    are removed or the multipart upload aborted: no object appears.
+    """
+    _forget_metadata()
     self.makedirs(path)
-    with self._naming(path):
-      f = self.fs.open(self._key(path), "wb", block_size=UPLOAD_BLOCK)
+    upload = _PartsUpload(self, path)
     try:
-      yield f.write
+      yield upload.write
+      with self._naming(path):
+        upload.commit()
     except BaseException:
-      with contextlib.suppress(Exception):
-        f.discard()
-      f.closed = True  # or fsspec's __del__ would try to complete it
+      upload.abort()
       raise
-    with self._naming(path):
-      f.close()
+    finally:
+      _forget_metadata()
 
   def create_exclusive(self, path: str, data: bytes) -> None:
     """Writes `data` at `path` only if no object is there, atomically.
@@ -450,6 +643,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     Raises:
       FileExistsError: An object is already at `path`.
     """
+    _forget_metadata()
     self.makedirs(path)
     if not _has_exclusive_create(self.fs):
       raise NotImplementedError(
@@ -465,6 +659,303 @@ class FsspecFileSystem(filesystem.FileSystem):
         if _status(e) in (409, 412):
           raise FileExistsError(17, "already exists", path) from None
         raise
+
+
+class _PartsUpload:
+  """One object's upload: a single request, or parts sent in parallel."""
+
+  def __init__(self, owner: "FsspecFileSystem", path: str):
+    self._owner, self._path = owner, path
+    self._fs = owner.fs
+    self._key = owner._key(path)  # pylint: disable=protected-access
+    self._s3 = _package(self._fs) == "s3fs"
+    self._buf = bytearray()
+    self._parts: dict[int, Any] = {}  # number -> GCS part name / S3 ETag
+    self._futures: list[concurrent.futures.Future] = []
+    self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+    self._slots: Optional[threading.BoundedSemaphore] = None
+    self._upload_id: Optional[str] = None
+    self._tmp = f"{PARTS_PREFIX}/{uuid.uuid4().hex}"
+    self._done = False
+
+  def write(self, data: Any) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+      take = min(UPLOAD_BLOCK - len(self._buf), len(view))
+      self._buf += view[:take]
+      view = view[take:]
+      if len(self._buf) >= UPLOAD_BLOCK:
+        self._send()
+
+  def _send(self) -> None:
+    """Sends the buffered bytes as the next part."""
+    if self._pool is None:
+      width = upload_streams()
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          width, thread_name_prefix="clu_ckpt-upload")
+      self._slots = threading.BoundedSemaphore(width)
+      if self._s3:
+        bucket, key = self._key.split("/", 1)
+        with self._owner._naming(self._path):  # pylint: disable=protected-access
+          self._upload_id = self._fs.call_s3(
+              "create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+    self._check()
+    self._slots.acquire()  # at most upload_streams() parts in flight
+    number = len(self._futures) + 1
+    data = bytes(self._buf)  # the buffer is dropped: one copy in flight
+    self._buf = bytearray()
+    try:
+      future = self._pool.submit(self._put, number, data)
+    except BaseException:
+      self._slots.release()
+      raise
+    future.add_done_callback(lambda _: self._slots.release())
+    self._futures.append(future)
+
+  def _put(self, number: int, part: bytes) -> None:
+    bucket, key = self._key.split("/", 1)
+    with self._owner._naming(self._path):  # pylint: disable=protected-access
+      if self._s3:
+        out = self._fs.call_s3(
+            "upload_part", Bucket=bucket, Key=key, UploadId=self._upload_id,
+            PartNumber=number, Body=part)
+        self._parts[number] = out["ETag"]
+      else:
+        name = f"{bucket}/{self._tmp}/{number:06d}"
+        self._parts[number] = name  # to remove, even if the upload fails
+        self._fs.pipe_file(name, part)
+
+  def _check(self) -> None:
+    """Raises the first failure of a part sent so far."""
+    for future in self._futures:
+      if future.done() and future.exception() is not None:
+        raise future.exception()
+
+  def commit(self) -> None:
+    if self._pool is None:  # small: one request
+      self._fs.pipe_file(self._key, bytes(self._buf))
+      self._done = True
+      return
+    if self._buf or not self._futures:
+      self._send()
+    for future in self._futures:
+      future.result()
+    bucket, key = self._key.split("/", 1)
+    if self._s3:
+      self._fs.call_s3(
+          "complete_multipart_upload", Bucket=bucket, Key=key,
+          UploadId=self._upload_id, MultipartUpload={"Parts": [
+              {"PartNumber": n, "ETag": self._parts[n]}
+              for n in sorted(self._parts)]})
+    else:
+      self._compose([self._parts[n] for n in sorted(self._parts)])
+      self._remove_parts()
+    self._done = True
+    self._pool.shutdown()
+
+  def _compose(self, names: list[str]) -> None:
+    """Joins `names` into the object (in rounds of at most 32 each)."""
+    level = 0
+    while len(names) > _COMPOSE_MAX:
+      level += 1
+      bucket = self._key.split("/", 1)[0]
+      joined = []
+      for i in range(0, len(names), _COMPOSE_MAX):
+        name = f"{bucket}/{self._tmp}/c{level}-{i:06d}"
+        self._parts[f"c{level}-{i}"] = name
+        self._fs.merge(name, names[i:i + _COMPOSE_MAX])
+        joined.append(name)
+      names = joined
+    self._fs.merge(self._key, names)
+
+  def _remove_parts(self) -> None:
+    names = [v for v in self._parts.values() if isinstance(v, str) and
+             "/" + PARTS_PREFIX + "/" in "/" + v]
+    if names:
+      with contextlib.suppress(Exception):
+        self._fs.rm(names)
+
+  def abort(self) -> None:
+    """Stops the upload and removes what it sent; nothing appears."""
+    if self._done:
+      return
+    if self._pool is not None:
+      for future in self._futures:
+        future.cancel()
+      self._pool.shutdown(wait=True)
+      if self._s3 and self._upload_id:
+        bucket, key = self._key.split("/", 1)
+        with contextlib.suppress(Exception):
+          self._fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key,
+                           UploadId=self._upload_id)
+      if not self._s3:
+        self._remove_parts()
+    self._done = True
+
+
+def streams() -> int:
+  """How many ranged reads a whole-object read keeps in flight.
+
+  `CLU_CKPT_BUCKET_STREAMS` when set (a positive integer), else
+  `SPOOL_READS`; read at each call.
+
+  Raises:
+    ValueError: The variable is set to anything but a positive integer.
+  """
+  return _setting("CLU_CKPT_BUCKET_STREAMS", SPOOL_READS)
+
+
+def upload_streams() -> int:
+  """How many parts an upload sends at once.
+
+  `CLU_CKPT_BUCKET_UPLOAD_STREAMS` when set (a positive integer), else
+  `UPLOAD_STREAMS`; read at each call.
+
+  Raises:
+    ValueError: The variable is set to anything but a positive integer.
+  """
+  return _setting("CLU_CKPT_BUCKET_UPLOAD_STREAMS", UPLOAD_STREAMS)
+
+
+def _setting(name: str, default: int) -> int:
+  value = os.environ.get(name, "").strip()
+  if value:
+    try:
+      n = int(value)
+    except ValueError:
+      n = 0
+    if n < 1:
+      raise ValueError(f"{name}={value!r}: not a positive integer")
+    return n
+  return max(1, int(default))
+
+
+class SparseSpool:
+  """A local copy of an object, filled by ranged reads only where asked.
+
+  The copy is an unlinked sparse file in `$TMPDIR`, memory-mapped (`map`):
+  bytes not fetched yet read as zeros, and every range fetched later shows
+  up in the same map (and in every numpy view of it). Each byte of the
+  object is downloaded at most once, however many callers ask for it.
+
+  Example::
+
+    spool = fs.spool("gs://b/run/ckpt-3.flax")
+    spool.ensure([(0, 4096)])          # one ranged read
+    header = spool.map[:16]
+    spool.fill()                        # the rest, many reads in flight
+
+  Attributes:
+    path: The object's URL.
+    size: Its size in bytes.
+    map: An `mmap.mmap` of the local copy (`b""` for an empty object).
+    requests: Ranged reads made so far.
+    fetched: Bytes downloaded so far.
+    identity: (path, size, modification time, generation or ETag): what
+      names this version of the object, for caches.
+  """
+
+  def __init__(self, fs: "FsspecFileSystem", path: str, size: int):
+    self.path, self.size = path, size
+    self.identity: tuple = (path, size)
+    self.requests = self.fetched = 0
+    self._fs = fs
+    self._lock = threading.Lock()
+    self._have: list[tuple[int, int]] = []  # sorted, disjoint, merged
+    self._file = tempfile.TemporaryFile(prefix="clu_ckpt-spool-")
+    if size:
+      try:
+        os.ftruncate(self._file.fileno(), size)  # sparse: no blocks yet
+      except OSError as e:
+        raise _spool_error(e, path, size) from e
+      self.map: Any = mmap.mmap(self._file.fileno(), size,
+                                access=mmap.ACCESS_READ)
+    else:
+      self.map = b""
+
+  def missing(self, start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of [start, end) not fetched yet."""
+    start, end = max(0, start), min(end, self.size)
+    out = []
+    for s, e in self._have:
+      if e <= start:
+        continue
+      if s >= end:
+        break
+      if s > start:
+        out.append((start, s))
+      start = max(start, e)
+    if start < end:
+      out.append((start, end))
+    return out
+
+  def has(self, start: int, end: int) -> bool:
+    """Whether [start, end) is all fetched."""
+    return not self.missing(start, end)
+
+  def ensure(self, ranges: list[tuple[int, int]]) -> None:
+    """Fetches whatever of `ranges` is not here yet, many reads in flight.
+
+    Raises:
+      OSError: A read failed or the object changed; the local copy could
+        not be written (a full `$TMPDIR`).
+    """
+    with self._lock:
+      todo = []
+      for start, end in sorted(ranges):
+        for piece in self.missing(start, end):
+          if todo and todo[-1][1] >= piece[0]:
+            todo[-1] = (todo[-1][0], max(todo[-1][1], piece[1]))
+          else:
+            todo.append(piece)
+      if not todo:
+        return
+      if sum(e - s for s, e in todo) > self.size // 2:
+        self._reserve()
+      self.requests += self._fs.fetch_into(self.path, self._file.fileno(),
+                                           todo, self.size)
+      self.fetched += sum(e - s for s, e in todo)
+      self._have = _merge(self._have + todo)
+
+  def fill(self) -> None:
+    """Fetches everything not here yet."""
+    self.ensure([(0, self.size)])
+
+  def copy_fetched(self, limit: int) -> Optional[list[tuple[int, bytes]]]:
+    """(offset, bytes) of what was fetched, if no more than `limit` bytes."""
+    with self._lock:
+      if sum(e - s for s, e in self._have) > limit:
+        return None
+      return [(s, bytes(self.map[s:e])) for s, e in self._have]
+
+  def adopt(self, pieces: list[tuple[int, bytes]]) -> None:
+    """Takes bytes of the object known from elsewhere (`copy_fetched`)."""
+    with self._lock:
+      fd = self._file.fileno()
+      for start, data in pieces:
+        view = memoryview(data)
+        try:
+          while view:
+            view = view[os.pwrite(fd, view, start + len(data) - len(view)):]
+        except OSError as e:
+          raise _spool_error(e, self.path, self.size) from e
+      self._have = _merge(self._have + [(s, s + len(d)) for s, d in pieces])
+
+  def _reserve(self) -> None:
+    """Allocates the whole copy's blocks, so that a full disk fails now."""
+    if not getattr(self, "_reserved", False):
+      _reserve(self._file.fileno(), self.size, self.path)
+      self._reserved = True
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+  out: list[tuple[int, int]] = []
+  for start, end in sorted(ranges):
+    if out and out[-1][1] >= start:
+      out[-1] = (out[-1][0], max(out[-1][1], end))
+    else:
+      out.append((start, end))
+  return out
 
 
 def _searched(pattern: str) -> str:

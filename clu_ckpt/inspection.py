@@ -307,6 +307,7 @@ def tree_summary(flax_path: str, limit: int = LEAVES_SHOWN,
       total_bytes=summary.nbytes)
 
 
+@storage.metadata_cache()  # one operation: each listing asked once
 def inspect_path(path: str, checkpoint: Optional[int] = None, *,
                  prefix: Optional[str] = None) -> dict[str, Any]:
   """Describes a checkpoint directory of any layout, or a `.flax` file.
@@ -548,6 +549,7 @@ def _human(n: Optional[int]) -> str:
 # --------------------------------------------------------------------------
 
 
+@storage.metadata_cache()  # one operation: each listing asked once
 def verify_path(path: str,
                 progress: Optional[Callable[..., None]] = None, *,
                 prefix: Optional[str] = None) -> dict[str, Any]:

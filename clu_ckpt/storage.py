@@ -43,7 +43,7 @@ import os
 import re
 import tempfile
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 from clu_ckpt import errors
 from clu_ckpt.filesystem import FileSystem
@@ -250,6 +250,22 @@ def read_bytes(path: str) -> bytes:
     OSError: It cannot be read (FileNotFoundError if missing).
   """
   return filesystem(path).read_bytes(path)
+
+
+def metadata_cache() -> ContextManager[None]:
+  """A block (or decorator) in which bucket metadata is asked for once.
+
+  Read-only operations on `gs://` / `s3://` paths (a load, an inspection)
+  ask the same listings and sizes many times; inside this block each is one
+  round trip (see `fsspec_fs.metadata_cache`). Local paths are unaffected.
+
+  Example::
+
+    with storage.metadata_cache():
+      names = storage.listdir("gs://b/run")   # one listing for the block
+  """
+  from clu_ckpt import fsspec_fs  # pylint: disable=g-import-not-at-top
+  return fsspec_fs.metadata_cache()
 
 
 def map_file(path: str, *, populate: bool = True) -> Any:

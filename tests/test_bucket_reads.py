@@ -1,0 +1,262 @@
+"""Reads from buckets fetch what they use: bytes and requests counted at a proxy.
+
+Every test runs on fake-gcs-server and moto's S3 (`bucket_store`), with the
+client pointed at a `link_proxy.LinkProxy` on 127.0.0.1 in front of the
+emulator, which counts the bytes downloaded and the requests made.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import link_proxy
+from clu_ckpt import flax_format
+from clu_ckpt import flax_ranges
+from clu_ckpt import fsspec_fs
+from clu_ckpt import inspection
+from clu_ckpt import storage
+
+_MIB = 2**20
+
+
+@pytest.fixture
+def proxy(bucket_store, monkeypatch):
+  """The emulator, reached through a counting proxy by this process."""
+  with link_proxy.LinkProxy(bucket_store.port) as p:
+    if bucket_store.scheme == "gs":
+      monkeypatch.setenv("STORAGE_EMULATOR_HOST", p.url)
+    else:
+      monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+      monkeypatch.setenv("AWS_ENDPOINT_URL_S3", p.url)
+    storage._INSTANCES.pop(bucket_store.scheme, None)  # pylint: disable=protected-access
+    flax_ranges.cache_clear()
+    p.store = bucket_store
+    yield p
+  storage._INSTANCES.pop(bucket_store.scheme, None)  # pylint: disable=protected-access
+  flax_ranges.cache_clear()
+
+
+def _state(layers=4, kib=1024):
+  rng = np.random.default_rng(0)
+  n = kib * 1024 // 4
+  return {
+      "step": np.int64(1234),
+      "params": {f"layer_{i}": {"kernel": rng.standard_normal(n).astype(
+          np.float32), "bias": np.arange(8, dtype=np.float32) + i}
+                 for i in range(layers)},
+      "opt_state": {"count": np.int32(7), "lr": 0.001,
+                    "mu": {f"layer_{i}": rng.standard_normal(n // 2).astype(
+                        np.float16) for i in range(layers)}},
+  }
+
+
+def _upload(proxy, state, name="ckpt-1.flax"):
+  url = f"{proxy.store.scheme}://{proxy.store.bucket()}/run/{name}"
+  data = flax_format.save(state)
+  proxy.store.fs().pipe_file(url.split("://", 1)[1], data)
+  proxy.reset()
+  return url, len(data)
+
+
+def _budget(size, wanted=0):
+  """What a headers-and-wanted-arrays read may download (issue's bound)."""
+  return wanted + size // 50 + 2 * _MIB
+
+
+def test_a_small_subtree_downloads_headers_only(proxy):
+  state = _state(layers=6, kib=2048)  # ~19 MiB
+  url, size = _upload(proxy, state)
+  step = flax_format.load_file(url, subtree="step")
+  assert step == 1234
+  assert proxy.down < _budget(size), (proxy.down, size)
+  assert proxy.down < size / 4
+  # A few round trips: metadata, then one per large array skipped.
+  assert proxy.requests <= 3, proxy.request_lines
+
+
+def test_one_array_downloads_that_array(proxy):
+  state = _state(layers=6, kib=2048)
+  url, size = _upload(proxy, state)
+  kernel = flax_format.load_file(url, subtree="params/layer_3/kernel")
+  np.testing.assert_array_equal(kernel, state["params"]["layer_3"]["kernel"])
+  assert proxy.down < _budget(size, kernel.nbytes), (proxy.down, size)
+  assert proxy.down < kernel.nbytes + size / 4
+  layer = flax_format.load_file(url, subtree=("params", "layer_4"))
+  np.testing.assert_array_equal(layer["kernel"],
+                                state["params"]["layer_4"]["kernel"])
+  np.testing.assert_array_equal(layer["bias"], state["params"]["layer_4"]["bias"])
+
+
+def test_writable_subtree_and_chunked_arrays(proxy, monkeypatch):
+  monkeypatch.setattr(flax_format, "CHUNK_BYTES", 300_000)
+  state = _state(layers=3, kib=1024)
+  url, size = _upload(proxy, state)
+  kernel = flax_format.load_file(url, subtree="params/layer_1/kernel",
+                                 writable=True)
+  np.testing.assert_array_equal(kernel, state["params"]["layer_1"]["kernel"])
+  assert proxy.down < _budget(size, kernel.nbytes)
+  loaded = flax_format.load_file(url)
+  np.testing.assert_array_equal(loaded["opt_state"]["mu"]["layer_2"],
+                                state["opt_state"]["mu"]["layer_2"])
+
+
+def test_inspect_reads_headers_once(proxy):
+  state = _state(layers=6, kib=2048)
+  url, size = _upload(proxy, state)
+  leaves = flax_format.inspect_file(url)
+  assert [l.path for l in leaves][:2] == ["/step", "/params/layer_0/kernel"]
+  first = proxy.down
+  assert first < _budget(size)
+  assert first < size / 4
+  # The same object again (another caller of the same operation): its
+  # headers are not downloaded again, one metadata request only.
+  proxy.reset()
+  with flax_format.FlaxFile(url, read_data=False) as f:
+    assert f.nbytes == sum(l.nbytes for l in leaves)
+    assert int(f.subtree("step")) == 1234
+  assert proxy.down < 64 * 1024 and proxy.requests <= 1, proxy.request_lines
+
+
+def test_inspect_and_verify_of_a_bucket_file_read_headers(proxy):
+  state = _state(layers=6, kib=2048)
+  url, size = _upload(proxy, state)
+  report = inspection.verify_path(url)
+  assert report["ok"], report
+  assert proxy.down < _budget(size), (proxy.down, size)
+  proxy.reset()
+  flax_ranges.cache_clear()
+  text = inspection.format_inspect(inspection.inspect_path(url))
+  assert "layer_5" in text or "1234" in text, text
+  assert proxy.down < _budget(size), (proxy.down, size)
+  assert proxy.down < size / 4
+
+
+def test_whole_tree_after_headers_fetches_each_byte_once(proxy, monkeypatch):
+  monkeypatch.setattr(fsspec_fs, "SPOOL_CHUNK", 512 * 1024)
+  state = _state(layers=6, kib=2048)
+  url, size = _upload(proxy, state)
+  with flax_format.FlaxFile(url, read_data=False) as f:
+    assert len(f.leaves) == 21
+    tree = f.tree
+    np.testing.assert_array_equal(tree["params"]["layer_5"]["kernel"],
+                                  state["params"]["layer_5"]["kernel"])
+  # Each byte once: the file, plus HTTP headers and one metadata answer.
+  assert size <= proxy.down <= size + 4096 * proxy.requests, (
+      proxy.down, size, proxy.requests)
+
+
+def test_map_keeps_n_reads_in_flight(proxy, monkeypatch):
+  monkeypatch.setattr(fsspec_fs, "SPOOL_CHUNK", 256 * 1024)
+  monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", "6")
+  data = os.urandom(5 * _MIB + 17)
+  url = f"{proxy.store.scheme}://{proxy.store.bucket()}/run/blob"
+  proxy.store.fs().pipe_file(url.split("://", 1)[1], data)
+  storage._INSTANCES.pop(proxy.store.scheme, None)  # pylint: disable=protected-access
+  proxy.reset()  # a fresh client: no pooled connections
+  proxy.rtt = 0.05  # so that reads overlap visibly
+  try:
+    buf = storage.map_file(url)
+  finally:
+    proxy.rtt = 0.0
+  assert bytes(buf) == data
+  ranged = [r for _, r in proxy.request_lines if r]
+  assert len(ranged) == 21  # each byte once, in 256 KiB ranges
+  assert proxy.max_open >= 6, proxy.max_open
+
+
+def test_streams_setting_is_checked(monkeypatch):
+  monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", "0")
+  with pytest.raises(ValueError, match="CLU_CKPT_BUCKET_STREAMS"):
+    fsspec_fs.streams()
+  monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", "3")
+  assert fsspec_fs.streams() == 3
+  monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "x")
+  with pytest.raises(ValueError, match="CLU_CKPT_BUCKET_UPLOAD_STREAMS"):
+    fsspec_fs.upload_streams()
+
+
+def test_a_corrupt_file_is_fetched_whole_and_named(proxy):
+  state = _state(layers=2, kib=256)
+  url, size = _upload(proxy, state)
+  key = url.split("://", 1)[1]
+  data = proxy.store.fs().cat_file(key)
+  proxy.store.fs().pipe_file(key, data[:-100])  # truncated
+  with pytest.raises(flax_format.FlaxFormatError, match="ckpt-1.flax"):
+    flax_format.inspect_file(url)
+  with pytest.raises(flax_format.FlaxFormatError, match="truncated"):
+    flax_format.load_file(url, subtree="opt_state")
+  proxy.store.fs().pipe_file(key, data + b"\xc0")  # trailing bytes
+  with pytest.raises(flax_format.FlaxFormatError, match="extra data"):
+    flax_format.inspect_file(url)
+
+
+# -- writes: parts in parallel, joined by the store ---------------------------
+
+
+def _leftovers(proxy, bucket):
+  """Temporary parts and unfinished multipart uploads left in `bucket`."""
+  fs = proxy.store.fs()
+  if proxy.store.scheme == "gs":
+    return fs.find(f"{bucket}/{fsspec_fs.PARTS_PREFIX}")
+  out = fs.call_s3("list_multipart_uploads", Bucket=bucket)
+  return out.get("Uploads", [])
+
+
+def test_a_large_object_goes_up_in_parallel_parts(proxy, monkeypatch):
+  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 5 * _MIB)
+  monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "4")
+  bucket = proxy.store.bucket()
+  url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
+  data = os.urandom(23 * _MIB + 5)
+  storage.makedirs(url)  # the bucket checked, by the client used below
+  proxy.reset()
+  proxy.rtt = 0.05  # so that parts overlap visibly
+  try:
+    with storage.atomic_writer(url) as write:
+      for i in range(0, len(data), 3 * _MIB):
+        write(memoryview(data)[i:i + 3 * _MIB])
+  finally:
+    proxy.rtt = 0.0
+  assert proxy.max_open >= 4, proxy.max_open
+  assert proxy.up < len(data) * 1.05  # each byte sent once
+  assert proxy.store.fs().cat_file(url.split("://", 1)[1]) == data
+  assert storage.listdir(f"{proxy.store.scheme}://{bucket}/run") == [
+      "ckpt-1.flax"]
+  assert not _leftovers(proxy, bucket)
+
+
+def test_a_failed_parallel_upload_leaves_nothing(proxy, monkeypatch):
+  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 5 * _MIB)
+  monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "3")
+  bucket = proxy.store.bucket()
+  url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
+  with pytest.raises(KeyError):
+    with storage.atomic_writer(url) as write:
+      write(os.urandom(12 * _MIB))  # two parts sent
+      raise KeyError("killed")
+  assert not storage.exists(url)
+  assert not _leftovers(proxy, bucket)
+  # An old object stays as it was.
+  with storage.atomic_writer(url) as write:
+    write(b"old")
+  with pytest.raises(KeyError):
+    with storage.atomic_writer(url) as write:
+      write(os.urandom(11 * _MIB))
+      raise KeyError("killed")
+  assert storage.read_bytes(url) == b"old"
+  assert not _leftovers(proxy, bucket)
+
+
+def test_many_parts_are_composed_in_rounds(proxy, monkeypatch):
+  if proxy.store.scheme != "gs":
+    pytest.skip("GCS composes at most 32 objects a request; S3 has no limit")
+  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 256 * 1024)
+  monkeypatch.setattr(fsspec_fs, "_COMPOSE_MAX", 4)
+  bucket = proxy.store.bucket()
+  url = f"gs://{bucket}/run/blob"
+  data = os.urandom(19 * 256 * 1024 + 7)  # 20 parts: 5, then 2 rounds
+  with storage.atomic_writer(url) as write:
+    write(data)
+  assert storage.read_bytes(url) == data
+  assert not _leftovers(proxy, bucket)
