@@ -29,6 +29,7 @@ import numpy as np
 
 from clu_ckpt import flax_decode
 from clu_ckpt import flax_format
+from clu_ckpt import flax_ranges
 from clu_ckpt.flax_parse import MAX_DEPTH
 
 # Keys that may make a map a chunked array (walked as `inspect_file` does).
@@ -235,7 +236,12 @@ def summarize_file(path: str, sample: int = 1000) -> Summary:
     FlaxFormatError: The file is damaged (as `flax_format.inspect_file`).
     OSError: It cannot be read.
   """
-  buffer = flax_format._open(path, populate=False)  # pylint: disable=protected-access
+  remote = None
+  if flax_ranges.is_remote(path):  # a bucket's: its headers only, by ranges
+    remote = flax_format._open_remote(path)  # pylint: disable=protected-access
+    buffer = remote.spool.map
+  else:
+    buffer = flax_format._open(path, populate=False)  # pylint: disable=protected-access
   reader = _SummaryReader(buffer, path, False,
                           memory_factor=flax_format.MEMORY_FACTOR,
                           memory_base=flax_format.MEMORY_BASE)
@@ -247,6 +253,8 @@ def summarize_file(path: str, sample: int = 1000) -> Summary:
   frame = sink.frames[0]
   out = Summary(path, frame.leaves, frame.nbytes, frame.sample)
   if sink.step_leaf is not None:
+    if remote is not None:  # the step's own bytes, if an array holds it
+      remote.fetch_subtree(("step",))
     out.step = _step_value(reader, buffer, sink.step_leaf)
   for top, (leaves, nbytes) in frame.tops.items():
     if top is None:
