@@ -174,6 +174,11 @@ def _relative(path: str, root: str) -> Optional[str]:
   return relative
 
 
+def _parent(path: str) -> str:
+  scheme, rest = _split_url(path)
+  return scheme + (posixpath if scheme else os.path).dirname(rest)
+
+
 def _has_wildcard(component: str) -> bool:
   return any(c in component for c in "*?[")
 
@@ -542,13 +547,17 @@ def _root_mismatch(destination_root: str, recorded: str, given: str) -> str:
 
 
 def choose_source_root(explicit: Optional[str], recorded: Optional[str],
-                       globs: Sequence[str]) -> str:
+                       globs: Sequence[str], sources: Sequence[str] = ()
+                       ) -> str:
   """The source root: explicit, else recorded, else from the globs.
 
   Args:
     explicit: `--source-root`.
     recorded: What the destination root records (`read_recorded_root`).
-    globs: `--source-glob` patterns.
+    globs: `--source-glob` patterns: without the two above, the root is the
+      common directory of the directories above their first wildcards (and
+      of the parents of `sources`).
+    sources: Paths named beside the globs.
 
   Returns:
     The absolute source root.
@@ -571,7 +580,8 @@ def choose_source_root(explicit: Optional[str], recorded: Optional[str],
         "whose layout the destination root mirrors), e.g. --source-root=/runs"
         " for --sources=/runs/a/checkpoints -> <destination-root>/a/"
         "checkpoints")
-  prefixes = [_absolute(glob_prefix(g)) for g in globs]
+  prefixes = [_absolute(glob_prefix(g)) for g in globs] + [
+      _parent(_absolute(_normalize(s))) for s in sources]
   schemes = {_split_url(p)[0] for p in prefixes}
   if len(schemes) > 1:
     raise UsageError("globs on different stores: give --source-root, or "
@@ -881,11 +891,11 @@ class _Worker:
     from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
     start = time.time()
     entry = {"source": task["source"], "destination": task["destination"]}
+    self.running = True  # a stop now interrupts this run
     try:
-      kwargs = migrate_kwargs(options)
-      template = self.template(options.get("template"))
-      self.running = True
       try:
+        kwargs = migrate_kwargs(options)
+        template = self.template(options.get("template"))
         summary = migration.migrate(task["source"], task["destination"],
                                     template=template, **kwargs)
       finally:
@@ -1003,6 +1013,7 @@ class _WorkerProcess:
     self.number = number
     self.run: Optional[Run] = None
     self.started: float = 0.0
+    self.killed = False
     env = _child_environment(os.environ)
     if verbose:
       env["CLU_CKPT_FLEET_VERBOSE"] = "1"
@@ -1053,6 +1064,8 @@ class _WorkerProcess:
   def death(self) -> str:
     """Why the worker died, for its run's report entry."""
     code = self.process.returncode
+    if self.killed:
+      return "stopped at once (second interrupt, or the stop timed out)"
     if code is not None and code < 0:
       try:
         name = signal.Signals(-code).name
@@ -1118,7 +1131,9 @@ class Fleet:
         w.close_input()
 
   def kill(self) -> None:
+    """Kills every worker now (their runs are reported interrupted)."""
     for w in self._workers:
+      w.killed = True
       w.signal(signal.SIGKILL)
 
   def run(self) -> None:
@@ -1271,8 +1286,9 @@ class ProgressPrinter:
   def run_done(self, entry: Mapping[str, Any], nbytes: int = 0) -> None:
     """Reports one finished run (of `nbytes` source bytes)."""
     self._done += 1
-    self._done_bytes += nbytes
-    if entry["status"] != "ok":
+    if entry["status"] in FINISHED:
+      self._done_bytes += nbytes
+    if entry["status"] in ("failed", "error"):
       self._failures += 1
     line = (f"[{self._done}/{self._total}] {describe_run(entry)}; "
             f"{self._totals()}")
@@ -1515,7 +1531,8 @@ class _Shard:
       raise UsageError("no sources: pass --sources, --source-glob or "
                        "--sources-file")
     recorded = read_recorded_root(args.destination_root)
-    root = choose_source_root(args.source_root, recorded, args.source_glob)
+    root = choose_source_root(args.source_root, recorded, args.source_glob,
+                              sources)
     plan = plan_fleet(sources, args.source_glob)
     assign_destinations(plan.runs, root, args.destination_root)
     mine = set(shard_sources([r.source for r in plan.runs], self.num_shards,
