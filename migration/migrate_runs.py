@@ -964,6 +964,9 @@ def worker_main() -> int:
     options = json.loads(sys.stdin.readline() or "{}").get("options", {})
     if not os.environ.get("CLU_CKPT_FLEET_VERBOSE"):
       _quiet_libraries()
+    # Imported once, before the first run: a worker that cannot import it
+    # dies before taking a run (and the fleet gives up after a few).
+    from clu_ckpt import migration  # pylint: disable=g-import-not-at-top,unused-import
     results.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
       if worker.stopped:

@@ -750,8 +750,8 @@ def test_the_fleet_prints_the_skipped_and_one_line_per_run(clu_fleet):
   progress = [l for l in lines if l.startswith("[")]
   assert len(progress) == 4, run.stdout
   assert re.fullmatch(r"\[4/4\] runs/m/checkpoints ok \(1 step, \d+ B, \d+ "
-                      r"s\); [\d.]+ KiB of [\d.]+ KiB, 1 failure, all done "
-                      r"in \d+ s", progress[-1]), progress[-1]
+                      r"(s|min)\); [\d.]+ KiB of [\d.]+ KiB, 1 failure, all "
+                      r"done in \d+ (s|min)", progress[-1]), progress[-1]
   assert lines[-1] == ("3 ok, 0 failed, 1 error; report: "
                        "reports/new/report.json")
 
