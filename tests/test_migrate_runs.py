@@ -815,6 +815,21 @@ def _wait_for_runs(tmp_path, process, count, timeout=120):
     time.sleep(0.1)
 
 
+def _workers_in(directory):
+  """Pids of this script's workers running in `directory`."""
+  found = []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+      cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+      continue
+    if str(SCRIPT).encode() in args and b"--worker" in args and (
+        cwd == str(directory)):
+      found.append(int(pid))
+  return found
+
+
 def _assert_stopped(tmp_path, run, status, seconds):
   assert run.returncode == status, run.stderr
   assert seconds < 10, seconds
@@ -835,6 +850,7 @@ def _assert_stopped(tmp_path, run, status, seconds):
 def test_a_stop_starts_no_new_run_and_writes_the_report(tmp_path, stop):
   process = _stoppable_fleet(tmp_path)
   _wait_for_runs(tmp_path, process, 2)
+  assert len(_workers_in(tmp_path)) == 2
   start = time.monotonic()
   if stop == "ctrl-c":  # a terminal signals the whole process group
     os.killpg(process.pid, signal.SIGINT)
@@ -845,8 +861,7 @@ def test_a_stop_starts_no_new_run_and_writes_the_report(tmp_path, stop):
                   time.monotonic() - start)
   # No worker is left behind.
   time.sleep(0.5)
-  ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True)
-  assert f"{SCRIPT} --worker" not in ps.stdout
+  assert not _workers_in(tmp_path)
 
 
 def _big_run(path, step):
