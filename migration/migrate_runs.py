@@ -510,8 +510,8 @@ def read_recorded_root(destination_root: str) -> Optional[str]:
   path = _join(destination_root, FLEET_FILE)
   try:
     data = json.loads(storage.read_bytes(path))
-  except FileNotFoundError:
-    return None
+  except (FileNotFoundError, NotADirectoryError):
+    return None  # nothing recorded (making the root will say what is wrong)
   except (OSError, ValueError) as e:
     raise UsageError(f"{path}: unreadable: {e}") from None
   if not isinstance(data, dict) or not isinstance(data.get("source_root"),
@@ -1676,8 +1676,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except Exception as e:  # pylint: disable=broad-except
     if args.verbose:
       traceback.print_exc()
-    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    print(f"{_PROG}: error: {type(e).__name__}: {text}", file=sys.stderr)
+    if isinstance(e, OSError) and e.filename is not None:
+      text = f"{e.filename}: {e.strerror or e}"
+    else:
+      text = (str(e).strip().splitlines() or [""])[0]
+      text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    print(f"{_PROG}: error: {text}", file=sys.stderr)
     return 1
 
 

@@ -507,6 +507,20 @@ def test_usage_errors_exit_2_with_one_line_before_any_work(tree, args,
   assert not (tree / "out").exists()
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_errors_are_one_line_tracebacks_only_with_verbose(tree, verbose):
+  (tree / "afile").write_text("")
+  run = _script("--source-glob=runs/*/checkpoints",
+                "--destination-root=afile/orbax", "--report=r.json",
+                *(["--verbose"] if verbose else []), cwd=tree)
+  assert run.returncode == 1, run.stderr
+  assert run.stderr.strip().splitlines()[-1].startswith(
+      "migrate_runs.py: error: afile")
+  assert ("Traceback" in run.stderr) == verbose, run.stderr
+  if not verbose:
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
 def test_report_directory_is_made_before_any_work(mr, tmp_path):
   path = tmp_path / "new" / "dir" / "report.json"
   mr.prepare_report(str(path))
