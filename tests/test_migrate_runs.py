@@ -934,3 +934,38 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
   assert time.monotonic() - start < 5
   report = json.loads((tmp_path / "report.json").read_text())
   assert {r["status"] for r in report["runs"]} <= {"interrupted", "pending"}
+
+
+@pytest.mark.thorough
+def test_a_killed_fleet_leaves_the_report_of_what_finished(tmp_path):
+  """SIGKILL (nothing runs) while the second run is being written."""
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  checkpoint.Checkpoint(str(tmp_path / "runs" / "r0")).save(example_state(1))
+  for step in (1, 2, 3):
+    _big_run(tmp_path / "runs" / "r1", step)
+  checkpoint.Checkpoint(str(tmp_path / "runs" / "r2")).save(example_state(1))
+  process = _start("--source-glob=runs/*", "--destination-root=orbax",
+                   "--report=report.json", "--parallelism=1", cwd=tmp_path,
+                   start_new_session=True)
+  report_path = tmp_path / "report.json"
+  deadline = time.monotonic() + 120
+  while True:
+    assert process.poll() is None and time.monotonic() < deadline
+    if report_path.exists() and json.loads(report_path.read_text())[
+        "counts"]["ok"]:  # written whole (atomically) or not at all
+      break
+    time.sleep(0.02)
+  workers = _workers_in(tmp_path)
+  process.kill()  # SIGKILL: no handler runs
+  process.wait(timeout=60)
+  report = json.loads(report_path.read_text())
+  assert [(r["source"], r["status"]) for r in report["runs"]] == [
+      ("runs/r0", "ok"), ("runs/r1", "pending"), ("runs/r2", "pending")]
+  assert not report["complete"]
+  # The orphaned worker was told to stop (SIGTERM when its parent died).
+  assert len(workers) == 1
+  deadline = time.monotonic() + 30
+  while _workers_in(tmp_path):
+    assert time.monotonic() < deadline, "the worker outlived the fleet"
+    time.sleep(0.1)
