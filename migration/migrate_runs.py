@@ -1649,6 +1649,15 @@ def _default_report(num_shards: int, shard_index: int) -> str:
   return f"migration_report-{shard_index}-of-{num_shards}.json"
 
 
+class _Terminated(KeyboardInterrupt):
+  """SIGTERM, before the fleet's own handling starts."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+  del signum, frame
+  raise _Terminated()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """The command line; usage errors: one line, status 2."""
   if argv is None:
@@ -1657,6 +1666,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return worker_main()
   parser, dests = build_parser()
   args = parser.parse_args(normalize_argv(argv))
+  # Before the workers start (planning, a bucket's listing), SIGTERM stops
+  # like Ctrl-C: nothing has been written yet but the report.
+  signal.signal(signal.SIGTERM, _terminated)
   try:
     if args.parallelism < 1:
       raise UsageError(f"--parallelism must be >= 1, not {args.parallelism}")
@@ -1670,9 +1682,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   except UsageError as e:
     print(f"{_PROG}: error: {e}", file=sys.stderr)
     return 2
-  except KeyboardInterrupt:
-    print(f"{_PROG}: interrupted", file=sys.stderr)
-    return 130
+  except KeyboardInterrupt as e:
+    print(f"{_PROG}: interrupted before any run started", file=sys.stderr)
+    return 143 if isinstance(e, _Terminated) else 130
   except Exception as e:  # pylint: disable=broad-except
     if args.verbose:
       traceback.print_exc()
