@@ -5,6 +5,14 @@ through the CLU-compatible classes needs TensorFlow (for the tf.data iterator
 state and the `checkpoint` bookkeeping): `pip install clu_ckpt[tf]`.
 Buckets need fsspec's back end for the store: `pip install clu_ckpt[gcs]`
 for gs://, `clu_ckpt[s3]` for s3:// (no TensorFlow needed to read them).
+
+The lower bounds are the oldest versions the support matrix runs (noxfile.py,
+README.md "Support matrix"), so `[tf]` and `[jax]` never make pip upgrade
+a TensorFlow >= 2.16, jax >= 0.4.30 or flax >= 0.8.5 a user has. The
+migration is different: orbax-checkpoint 0.12.5 needs jax >= 0.6, so `[orbax]`
+(and `[all]`, which includes it) asks for that jax, and belongs in an
+environment of its own (`python -m venv migrate-env`, then `pip install -e
+'.[all]'` from a checkout) when the training job is pinned to an older jax.
 """
 
 import re
@@ -19,8 +27,16 @@ _VERSION = re.search(
 ).group(1)
 
 _TF = ["tensorflow-cpu>=2.16"]
-_JAX = ["jax>=0.4.30", "flax>=0.8"]
-_ORBAX = ["orbax-checkpoint>=0.12", "tensorstore>=0.1.60"]
+_JAX = ["jax>=0.4.30", "flax>=0.8.5"]
+# The migration uses NumpyHandler(deepcopy_host_arrays=...), new in
+# orbax-checkpoint 0.12.5, which requires jax >= 0.6.0 (which requires
+# ml_dtypes >= 0.5) and tensorstore >= 0.1.84.
+# The matrix ran the migration with flax 0.10.6 beside them.
+_ORBAX = ["orbax-checkpoint>=0.12.5", "jax>=0.6", "ml_dtypes>=0.5",
+          "tensorstore>=0.1.84", "flax>=0.10.6"]
+# Beside that jax, TensorFlow 2.16-2.18 cannot install (they pin ml_dtypes
+# below 0.5); the matrix ran the migration with TensorFlow 2.21.
+_WITH_ORBAX = ["tensorflow-cpu>=2.21"]
 _GCS = ["gcsfs>=2024.6"]
 _S3 = ["s3fs>=2024.6"]
 
@@ -36,19 +52,19 @@ setup(
     packages=find_packages(include=["clu_ckpt", "clu_ckpt.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "numpy>=1.24",
-        "msgpack>=1.0",
-        "ml_dtypes>=0.3",
+        "numpy>=1.26",
+        "msgpack>=1.0.5",
+        "ml_dtypes>=0.3.1",
         "absl-py>=1.0",
         "tqdm>=4.60",
     ],
     extras_require={
         "tf": _TF,
         "jax": _JAX,
-        "orbax": _JAX + _ORBAX,
+        "orbax": _ORBAX,
         "gcs": _GCS,
         "s3": _S3,
-        "all": _TF + _JAX + _ORBAX + _GCS + _S3,
+        "all": _TF + _JAX + _ORBAX + _WITH_ORBAX + _GCS + _S3,
         # The test run pins the versions the golden fixtures in
         # ../shared/fixtures/clu-0.0.12 were written with, and installs the real
         # clu as the compatibility oracle.

@@ -5,6 +5,7 @@ Synopsis::
   python benchmarks/bench_checkpoint.py                  # 1 GiB, 3 runs
   python benchmarks/bench_checkpoint.py --runs 5 --json out.json
   python benchmarks/bench_checkpoint.py --size-gib 0.25 --only save,e2e
+  python benchmarks/bench_checkpoint.py --only save_orbax   # the two layouts
 
 Every figure is the median over `--runs` fresh worker processes (this script
 re-run with `--worker`); the two libraries alternate run by run. The worker
@@ -13,6 +14,14 @@ mu and nu, and a few scalars), then times one call. Memory is watched from
 the parent through /proc/<pid>/status (VmRSS, RssAnon) and, exactly, through the
 kernel's VmHWM after resetting it in the worker. The disk's own dd bandwidth is
 measured beside the results. benchmarks/README.md explains each figure.
+
+`save_orbax` compares clu_ckpt with itself: `Checkpoint(d, layout="orbax")`
+(each save a step of an Orbax root, `clu_ckpt.orbax_layout`) against the CLU
+layout's `Checkpoint(d)`, the same state, the two alternating run by run.
+Each worker saves twice and both saves are timed: the first in a fresh
+process (Orbax's and TensorStore's start-up included; their imports are
+not, as TensorFlow's are not) and the second, a training loop's steady
+state.
 """
 
 import argparse
@@ -40,9 +49,10 @@ SAMPLE_INTERVAL_S = 0.002
 WORKER_TIMEOUT_S = 900
 
 MEASUREMENTS = ("save", "restore", "restore_cold", "load", "load_cold", "e2e",
-                "e2e_touch")
+                "e2e_touch", "save_orbax")
 # e2e_touch repeats what load + touch shows, at ~50 s of clu per 3 runs.
-DEFAULT = ("save", "restore", "restore_cold", "load", "load_cold", "e2e")
+DEFAULT = ("save", "restore", "restore_cold", "load", "load_cold", "e2e",
+           "save_orbax")
 
 # Keeps `import tensorflow` (and its submodules) from succeeding at all, so the
 # end-to-end run proves the reader needs no TensorFlow.
@@ -64,6 +74,12 @@ class Lib:
   module: str
   e2e_import: str
   block_tf: bool
+  layout: Optional[str] = None  # Checkpoint(..., layout=...) when given
+
+
+# The two sides of `save_orbax`: clu_ckpt's Orbax layout against its CLU one.
+LAYOUT_LIBS = (Lib("orbax layout", "clu_ckpt.checkpoint", "", True, "orbax"),
+               Lib("CLU layout", "clu_ckpt.checkpoint", "", True, "clu"))
 
 
 def _libs(candidate_module: str) -> tuple[Lib, Lib]:
@@ -299,17 +315,41 @@ def _worker_save(spec: dict) -> dict:
   importlib.import_module("tensorflow")
   module = importlib.import_module(spec["module"])
   state = build_state(spec["size_gib"])
-  ckpt = module.Checkpoint(spec["dir"])
+  kwargs = {}
+  if spec.get("layout"):
+    kwargs["layout"] = spec["layout"]
+    # Imported once per training run, like TensorFlow above.
+    for name in ("orbax.checkpoint", "clu_ckpt.orbax_items",
+                 "clu_ckpt.migration.run"):
+      importlib.import_module(name)
+  ckpt = module.Checkpoint(spec["dir"], **kwargs)
   os.sync()  # Earlier runs' dirty pages must not be flushed on our clock.
   if spec["kind"] == "dd":
     os.makedirs(spec["dir"], exist_ok=True)
     return {"dd_mb_s": dd_write(spec["dir"]), **_state_facts(state)}
-  _, result = _timed(lambda: ckpt.save(state))
+  if spec.get("saves", 1) == 2:
+    first, first_timing = _timed(lambda: ckpt.save(state))
+    first_timing["bytes"] = _saved_bytes(first)
+    os.sync()
+    saved, result = _timed(lambda: ckpt.save(state))
+    result["first"] = first_timing
+  else:
+    saved, result = _timed(lambda: ckpt.save(state))
   t_sync = time.monotonic()
   os.sync()
   result["sync_s"] = time.monotonic() - t_sync
-  result["file_bytes"] = os.path.getsize(_flax_file(spec["dir"]))
+  result["file_bytes"] = (_saved_bytes(saved) if spec.get("layout") else
+                          os.path.getsize(_flax_file(spec["dir"])))
   return {**result, **_state_facts(state)}
+
+
+def _saved_bytes(checkpoint: str) -> int:
+  """Bytes of one checkpoint: its `.flax`, or its Orbax step directory."""
+  if os.path.exists(checkpoint + ".flax"):
+    return os.path.getsize(checkpoint + ".flax")
+  number = checkpoint.rsplit("-", 1)[1]
+  step = os.path.join(os.path.dirname(checkpoint), number)
+  return sum(os.path.getsize(p) for p in _files_under(step))
 
 
 def _worker_read(spec: dict) -> dict:
@@ -425,6 +465,9 @@ def _spawn_worker(spec: dict) -> dict:
   result = json.loads(lines[-1][len(RESULT_TAG):])
   if "t0" in result:
     result["sampled_peaks"] = sampler.peaks(result["t0"], result["t1"])
+  if "first" in result:
+    result["first_peaks"] = sampler.peaks(result["first"]["t0"],
+                                          result["first"]["t1"])
   return result
 
 
@@ -455,16 +498,18 @@ class Bench:
 
   def _spec(self, kind: str, lib: Lib, directory: str, cold=False) -> dict:
     return {"kind": kind, "module": lib.module, "dir": directory,
-            "size_gib": self.args.size_gib, "cold": cold}
+            "size_gib": self.args.size_gib, "cold": cold,
+            "layout": lib.layout}
 
   def measure(self, name: str, one_run: Callable[[Lib, int], dict],
-              before_run: Optional[Callable[[], Any]] = None) -> None:
+              before_run: Optional[Callable[[], Any]] = None,
+              libs: Optional[Sequence[Lib]] = None) -> None:
     """Alternates the libraries run by run; a failing side is recorded."""
     print(f"[bench] {name}", end="", file=sys.stderr, flush=True)
     for run in range(self.args.runs):
       if before_run:
         before_run()
-      for lib in self.libs:
+      for lib in libs or self.libs:
         if lib.name in self.errors.get(name, {}):
           continue
         try:
@@ -491,6 +536,27 @@ class Bench:
             "durable_s": seconds + result["sync_s"],
             "file_bytes": result["file_bytes"],
             **_memory_metrics(result, result["state_bytes"])}
+
+  def save_layout_run(self, lib: Lib, run: int) -> dict:
+    """One worker of `save_orbax`: two saves, both timed."""
+    directory = os.path.join(self.root, f"save-{lib.layout}-{run}")
+    try:
+      spec = dict(self._spec("save", lib, directory), saves=2)
+      result = _spawn_worker(spec)
+    finally:
+      shutil.rmtree(directory, ignore_errors=True)
+    state_bytes = result["state_bytes"]
+    first = result["first"]
+    first_s = first["t1"] - first["t0"]
+    seconds = result["t1"] - result["t0"]
+    first_memory = _memory_metrics(
+        {**first, "sampled_peaks": result.get("first_peaks")}, state_bytes)
+    return {"time_s": seconds, "first_time_s": first_s,
+            "mb_s": result["file_bytes"] / seconds / MB,
+            "durable_s": seconds + result["sync_s"],
+            "file_bytes": result["file_bytes"],
+            **_memory_metrics(result, state_bytes),
+            **{f"first_{k}": v for k, v in first_memory.items()}}
 
   def compare_saved_files(self) -> Optional[bool]:
     """Compares the last saves; clu's becomes the restore source."""
@@ -564,7 +630,7 @@ class Bench:
         self._dd_write()
     self.disk["dd_write_fdatasync_mb_s"] = statistics.median(self.dd_writes)
     self.disk["dd_write_fdatasync_runs_mb_s"] = self.dd_writes
-    if any(m != "save" for m in selected):
+    if any(m not in ("save", "save_orbax") for m in selected):
       self.prepare_source()
       if cold_ok and any(m.endswith("_cold") for m in selected):
         print("[bench] cold reads of the source .flax", file=sys.stderr)
@@ -578,6 +644,8 @@ class Bench:
     for name, touch in (("e2e", False), ("e2e_touch", True)):
       if name in selected:
         self.measure(name, lambda lib, run, t=touch: self.e2e_run(t, lib, run))
+    if "save_orbax" in selected:
+      self.measure("save_orbax", self.save_layout_run, libs=LAYOUT_LIBS)
     self.facts["load_average_end"] = os.getloadavg()[0]
 
 
@@ -736,6 +804,8 @@ _TITLES = {
     "load_cold": "`load_state_dict(d)` + touch, cold",
     "e2e": "process: `python -c` import + `load_state_dict(d)`",
     "e2e_touch": "process: `python -c` import + `load_state_dict(d)` + touch",
+    "save_orbax": "`Checkpoint(d, layout=\"orbax\").save(state)` vs the CLU "
+                  "layout's",
 }
 _SPEED_TARGETS = {"save": 3, "restore": 5, "restore_cold": 5, "load": 5,
                   "load_cold": 5, "e2e": 10}
@@ -833,6 +903,8 @@ def _table(bench: "Bench") -> list[list[str]]:
   table = [["measurement", "figure", cand_name, ref_name,
             f"{ref_name} / {cand_name}", "target", "met"]]
   for name in MEASUREMENTS:
+    if name == "save_orbax":
+      continue  # its own table (`_layout_table`)
     per_lib = bench.runs.get(name, {})
     errors = bench.errors.get(name, {})
     if errors or len(per_lib) == 1:
@@ -850,6 +922,46 @@ def _table(bench: "Bench") -> list[list[str]]:
     for i, row in enumerate(rows):
       table.append([_TITLES[name] if i == 0 else ""] + row)
   return table
+
+
+def _layout_table(bench: "Bench") -> list[list[str]]:
+  """`save_orbax`: the Orbax layout against the CLU layout, both clu_ckpt."""
+  per_lib = bench.runs.get("save_orbax", {})
+  errors = bench.errors.get("save_orbax", {})
+  orbax_name, clu_name = (lib.name for lib in LAYOUT_LIBS)
+  table = [["figure", orbax_name, clu_name, f"{clu_name} / {orbax_name}",
+            "target", "met"]]
+  if errors or len(per_lib) != 2:
+    return table + [["FAILED", errors.get(orbax_name, "ok")[:80],
+                     errors.get(clu_name, "ok")[:80], "", "", ""]]
+  cand, ref = _medians(per_lib[orbax_name]), _medians(per_lib[clu_name])
+  dd = bench.disk.get("dd_write_fdatasync_mb_s")
+  rows = []
+  for key, what in (("time_s", "steady save (2nd in the process)"),
+                    ("first_time_s", "first save in a fresh process"),
+                    ("durable_s", "steady save, then `os.sync()`")):
+    ratio = ref[key] / cand[key]
+    rows.append([what, f"{cand[key]:.3f} s", f"{ref[key]:.3f} s",
+                 _times(ratio), ">= 1.00x" if key == "time_s" else "",
+                 ("yes" if ratio >= 1 else "**no**") if key == "time_s"
+                 else ""])
+  if dd:
+    rows.append(["throughput (share of dd)",
+                 f"{cand['mb_s']:.0f} MB/s ({cand['mb_s'] / dd:.0%})",
+                 f"{ref['mb_s']:.0f} MB/s ({ref['mb_s'] / dd:.0%})", "", "",
+                 ""])
+  rows.append(["bytes written", f"{cand['file_bytes'] / MB:.1f} MB",
+               f"{ref['file_bytes'] / MB:.1f} MB", "", "", ""])
+  for key, what in (("extra_anon_x", "extra peak RssAnon, steady, x state"),
+                    ("first_extra_anon_x",
+                     "extra peak RssAnon, first save, x state"),
+                    ("extra_rss_x", "extra peak RSS (VmHWM), steady, x state")):
+    if key in cand and key in ref:
+      ok = cand[key] <= max(ref[key], 0) + 0.02
+      target = "<= CLU layout" if key == "extra_anon_x" else ""
+      rows.append([what, f"{cand[key]:.3f}", f"{ref[key]:.3f}", "", target,
+                   ("yes" if ok else "**no**") if target else ""])
+  return table + rows
 
 
 def _markdown(table: list[list[str]]) -> list[str]:
@@ -912,10 +1024,14 @@ def report(bench: "Bench", fstype: str) -> str:
       "",
       _disk_line(bench.disk),
       "",
-      *_markdown(_table(bench)),
+      *(_markdown(_table(bench)) if any(
+          m != "save_orbax" for m in bench.runs) else []),
       "",
       *_checks(bench),
   ]
+  if "save_orbax" in bench.runs or "save_orbax" in bench.errors:
+    lines += ["", "### clu_ckpt's Orbax layout vs its CLU layout "
+              "(`save_orbax`)", "", *_markdown(_layout_table(bench))]
   return "\n".join(lines)
 
 # ----------------------------------------------------------------------------

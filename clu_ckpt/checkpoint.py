@@ -56,6 +56,7 @@ from absl import logging
 from clu_ckpt import flax_format
 from clu_ckpt import errors
 from clu_ckpt import layout
+from clu_ckpt import orbax_layout
 from clu_ckpt import save_protocol
 from clu_ckpt import storage
 from clu_ckpt import tf_manager
@@ -200,16 +201,36 @@ class Checkpoint:
   `latest_checkpoint` (or a `checkpoint` argument) wherever it points, as clu
   does. Files that are not regular (a named pipe, a device) are refused.
 
+  With `layout="orbax"` (or `CLU_CKPT_LAYOUT=orbax`), the API stays and
+  each checkpoint is saved as a step of an Orbax `CheckpointManager` root in
+  the same base directory, numbered by checkpoint number (see
+  `clu_ckpt.orbax_layout`)::
+
+    {base_directory}/{number}/state/, dataset/, metadata/, _CHECKPOINT_METADATA
+
+  Paths keep their CLU names: `latest_checkpoint` is
+  `{base_directory}/{checkpoint_name}-{number}` whichever layout holds that
+  number (an Orbax step wins over CLU files of the same number), and
+  `restore` also accepts a step directory `{base_directory}/{number}`. CLU
+  checkpoints already there are restored as before (`restore_or_initialize`
+  takes the newest number of either layout, the iterator included); new
+  saves go to Orbax. `max_to_keep` counts both layouts; a CLU checkpoint
+  outside it is deleted only when an Orbax step of the same number exists
+  (its only copy is left for `clu-ckpt migrate`). Checkpoints numbered after
+  the current one are removed by a save in both layouts, as in CLU.
+
   Attributes:
     base_directory: The normalized directory.
     max_to_keep: How many checkpoints are kept.
     checkpoint_name: Prefix of the checkpoint files.
     restored_from: The checkpoint last restored, or None.
+    layout: "clu" or "orbax": the layout saves write.
   """
 
   def __init__(self, base_directory: str,
                tf_state: Optional[Dict[str, Any]] = None, *,
-               max_to_keep: int = 5, checkpoint_name: str = "ckpt"):
+               max_to_keep: int = 5, checkpoint_name: str = "ckpt",
+               layout: Optional[str] = None):
     """Initializes a Checkpoint with a dictionary of TensorFlow Trackables.
 
     Args:
@@ -219,10 +240,14 @@ class Checkpoint:
         checkpoint, for example a dataset iterator.
       max_to_keep: Number of checkpoints to keep; older ones are removed.
       checkpoint_name: Prefix of the checkpoint files (before `-{number}`).
+      layout: "clu" (the files above) or "orbax" (Orbax steps, see the class
+        docstring); None: `$CLU_CKPT_LAYOUT`, else "clu".
 
     Raises:
       ImportError: `tf_state` is given and TensorFlow is not installed.
+      UsageError: An unknown layout.
     """
+    self.layout = orbax_layout.resolve(layout)
     self.base_directory = safe_normpath(base_directory)
     self.max_to_keep = max_to_keep
     self.checkpoint_name = checkpoint_name
@@ -232,8 +257,17 @@ class Checkpoint:
     self._tf_checkpoint_manager = None
     # Mirrors `tf_checkpoint.save_counter` until TensorFlow is loaded.
     self._save_counter = 0
-    if self._tf_state:
+    self._orbax = None
+    if self.layout == orbax_layout.ORBAX:
+      self._orbax = self._new_orbax_steps()
+      if self._tf_state:
+        orbax_layout.check_tensorflow(self.base_directory)
+    elif self._tf_state:
       self._load_tf()
+
+  def _new_orbax_steps(self) -> orbax_layout.OrbaxSteps:
+    """The Orbax root of `layout="orbax"`: the base directory itself."""
+    return orbax_layout.OrbaxSteps(self.base_directory)
 
   # -- TensorFlow, loaded only when needed ------------------------------------
 
@@ -261,7 +295,8 @@ class Checkpoint:
       raise ImportError(
           f"Checkpoint({self.base_directory!r}): saving, or restoring a "
           "tf_state, needs TensorFlow, which cannot be imported. Install it "
-          "with `pip install tensorflow-cpu` (or `pip install clu_ckpt[tf]`); "
+          "with `pip install tensorflow-cpu` (or `pip install -e '.[tf]'` in "
+          "a clu_ckpt checkout); "
           "reading the Flax state alone (load_state_dict, load_state, "
           "restore_dict) works without it.") from e
     tf_checkpoint = tf.train.Checkpoint(**self._tf_state)
@@ -284,7 +319,7 @@ class Checkpoint:
     self._tf_checkpoint_manager = self._new_manager()
 
   def _current_number(self) -> int:
-    if self._tf_checkpoint is not None:
+    if self._orbax is None and self._tf_checkpoint is not None:
       return int(self._tf_checkpoint.save_counter.numpy())
     return self._save_counter
 
@@ -299,10 +334,16 @@ class Checkpoint:
     checkpoint whose files are all there, with a warning. `MultihostCheckpoint`
     overrides this to pick the newest checkpoint that every host has.
 
+    With `layout="orbax"`, the newest of that and the newest Orbax step.
+
     Returns:
       A checkpoint path (`<base_directory>/ckpt-N`), or None.
     """
-    latest = self.latest_checkpoint
+    return self._newest_of_both(self._clu_checkpoint_to_restore_from())
+
+  def _clu_checkpoint_to_restore_from(self) -> Optional[str]:
+    """`get_latest_checkpoint_to_restore_from` among CLU checkpoints only."""
+    latest = self._clu_latest_checkpoint()
     listing = {}
     if latest is None or layout.has_files(latest, listing):
       return latest
@@ -331,8 +372,47 @@ class Checkpoint:
 
     The path is the prefix of the checkpoint's files (`.flax`, `.index`, ...).
     It is read from TensorFlow's `checkpoint` file, without TensorFlow until
-    it is loaded.
+    it is loaded. With `layout="orbax"`, the newest number of either layout
+    (named `<base_directory>/ckpt-N` also when it is Orbax step N).
     """
+    return self._newest_of_both(self._clu_latest_checkpoint())
+
+  def _newest_of_both(self, clu: Optional[str]) -> Optional[str]:
+    """`clu` (a CLU checkpoint path), or the newest Orbax step if newer.
+
+    An Orbax step wins over a CLU checkpoint of the same number (a save in
+    the Orbax layout removes the CLU checkpoints after the current one, so
+    the two are the same checkpoint, migrated).
+    """
+    if self._orbax is None:
+      return clu
+    steps = self._orbax.steps()
+    if not steps:
+      return clu
+    number = layout.checkpoint_number(clu or "", self.checkpoint_name)
+    if clu is not None and number is not None and number > steps[-1]:
+      return clu
+    return self._numbered(steps[-1])
+
+  def _orbax_number(self, checkpoint: str) -> Optional[int]:
+    """The Orbax step `checkpoint` names, or None (a CLU checkpoint).
+
+    `{base_directory}/{checkpoint_name}-{N}` names step N when the step
+    exists; so does the step directory (`{root}/{N}`) itself.
+    """
+    if self._orbax is None:
+      return None
+    path = layout.absolute(checkpoint)
+    parent, name = path.rsplit("/", 1) if "/" in path else ("", path)
+    if parent == self._orbax.root and re.fullmatch(r"0|[1-9][0-9]*", name):
+      return int(name)
+    number = layout.checkpoint_number(checkpoint, self.checkpoint_name)
+    if number is None or parent != layout.absolute(self.base_directory):
+      return None
+    return number if number in self._orbax.steps() else None
+
+  def _clu_latest_checkpoint(self) -> Optional[str]:
+    """The newest CLU checkpoint (TensorFlow's `checkpoint` file)."""
     if self._tf_checkpoint_manager is not None:
       return self._tf_checkpoint_manager.latest_checkpoint
     state = layout.read_checkpoint_state(self.base_directory)
@@ -389,7 +469,9 @@ class Checkpoint:
     earlier checkpoints as they were and removes its own partial files; the
     next save reuses the same number. In a bucket, TensorFlow writes the
     `tf_state` to a local temporary directory and clu_ckpt uploads and
-    commits it (see the class docstring).
+    commits it (see the class docstring). With `layout="orbax"` the
+    checkpoint is Orbax step `number` instead (see the class docstring and
+    `clu_ckpt.orbax_layout`); the path returned keeps its CLU name.
 
     Example::
 
@@ -408,6 +490,8 @@ class Checkpoint:
       OSError: The files could not be written (a full or read-only disk); the
         error names the file or checkpoint. Earlier checkpoints are intact.
     """
+    if self._orbax is not None:
+      return self._save_orbax(state)
     start = time.time()
     manager = self.tf_checkpoint_manager
     save_protocol.delete_future_checkpoints(
@@ -431,6 +515,75 @@ class Checkpoint:
     logging.info("Checkpoint.save() wrote %s (%d bytes of Flax state) in "
                  "%.2fs", current, nbytes, time.time() - start)
     return current
+
+  def _save_orbax(self, state: Any) -> str:
+    """`save` in the Orbax layout: step `current + 1` of the Orbax root.
+
+    Checkpoints after the current one go first (Orbax steps and CLU
+    checkpoints, each unlisted before it is deleted), then the step is
+    written (temporary directory, fsync, rename), then `max_to_keep` is
+    applied (`_prune_both`) and what killed saves left is removed.
+    """
+    start = time.time()
+    current = self._current_number()
+    number = current + 1
+    logging.info("Storing next checkpoint '%s' as Orbax step %s",
+                 self._numbered(number), self._orbax.step_path(number))
+    for step in self._orbax.steps():
+      if step > current:
+        self._orbax.discard(step)
+    self._delete_future_clu_checkpoints(current)
+    nbytes = self._orbax.save(number, state, self._tf_state,
+                              checkpoint_name=self.checkpoint_name)
+    self._save_counter = number
+    self._prune_both()
+    self._orbax.sweep_partial()
+    logging.info("Checkpoint.save() wrote %s (%d bytes of arrays) in %.2fs",
+                 self._orbax.step_path(number), nbytes, time.time() - start)
+    return self._numbered(number)
+
+  def _clu_numbers(self) -> dict[int, str]:
+    """Number -> path of the CLU checkpoints listed in this directory."""
+    if self._tf_checkpoint_manager is not None:
+      return {n: p for p in self._tf_checkpoint_manager.checkpoints
+              if (n := layout.checkpoint_number(p, self.checkpoint_name))
+              is not None and layout.is_contained(self.base_directory, p)}
+    return layout.listed_numbers(self.base_directory, self.checkpoint_name)
+
+  def _delete_future_clu_checkpoints(self, current: int) -> None:
+    """Removes CLU checkpoints numbered after `current` (Orbax layout).
+
+    TensorFlow is loaded only when there are some.
+    """
+    upcoming = layout.checkpoint_files(self._numbered(current + 1))
+    if not upcoming and not any(n > current for n in self._clu_numbers()):
+      return
+    current_is_clu = current > 0 and bool(
+        layout.checkpoint_files(self._numbered(current)))
+    save_protocol.delete_future_checkpoints(
+        self.tf_checkpoint_manager, self.base_directory, self.checkpoint_name,
+        current, keep_current=current_is_clu)
+
+  def _prune_both(self) -> None:
+    """`max_to_keep` over both layouts' numbers.
+
+    Orbax steps outside the newest `max_to_keep` numbers are removed; a CLU
+    checkpoint outside them only when an Orbax step of its number exists
+    (removed first, so that the Orbax step is never the only copy taken).
+    """
+    if self.max_to_keep is None:
+      return
+    steps = set(self._orbax.steps())
+    clu = self._clu_numbers()
+    numbers = sorted(steps | set(clu), reverse=True)
+    old = numbers[max(self.max_to_keep, 1):]
+    copies = [clu[n] for n in old if n in clu and n in steps]
+    if copies:
+      save_protocol.delete_checkpoints(
+          self.tf_checkpoint_manager, self.base_directory, copies)
+    for number in old:
+      if number in steps:
+        self._orbax.discard(number)
 
   def restore_or_initialize(self, state: T) -> T:
     """Restores the latest checkpoint, or saves `state` as the first one.
@@ -491,7 +644,11 @@ class Checkpoint:
       flax_format.FlaxFormatError: The `.flax` file is corrupt.
     """
     resolved = self._checkpoint_or_latest(checkpoint)
-    state_dict = self._read_flax(resolved, checkpoint)
+    number = self._orbax_number(resolved)
+    if number is not None:
+      state_dict = self._orbax.load_state_dict(number)
+    else:
+      state_dict = self._read_flax(resolved, checkpoint)
     if state is None:
       return state_dict
     from flax import serialization  # pylint: disable=g-import-not-at-top
@@ -537,6 +694,8 @@ class Checkpoint:
     """
     checkpoint = self._checkpoint_or_latest(checkpoint)
     logging.info("Restoring checkpoint: %s", checkpoint)
+    if self._orbax is not None:
+      return self._restore_in_orbax_layout(state, checkpoint)
     state = self.load_state(state, checkpoint)
     if self._tf_checkpoint is not None:
       # TensorFlow would block forever opening a named pipe.
@@ -553,6 +712,32 @@ class Checkpoint:
     self.restored_from = checkpoint
     return state
 
+
+  def _restore_in_orbax_layout(self, state: Optional[T], checkpoint: str) -> T:
+    """`restore` with `layout="orbax"`: an Orbax step, or a CLU checkpoint.
+
+    Either way the state and `tf_state` come from the same checkpoint, and
+    the next save writes the number after it.
+    """
+    number = self._orbax_number(checkpoint)
+    state = self.load_state(state, checkpoint)
+    if number is not None:
+      if self._tf_state:
+        self._orbax.restore_tf_state(number, self._tf_state)
+    else:
+      parts = layout.split_checkpoint(checkpoint)
+      number = parts[1] if parts else 0
+      if self._tf_state:
+        for path in storage.glob(f"{storage.glob_escape(checkpoint)}.*"):
+          if not path.endswith(".flax"):
+            storage.check_regular_file(path)
+        self._load_tf()
+        self._restore_tf(checkpoint)
+    self._save_counter = number
+    logging.info("Restored save_counter=%d restored_checkpoint=%s",
+                 number, checkpoint)
+    self.restored_from = checkpoint
+    return state
 
   def _restore_tf(self, checkpoint: str) -> None:
     """Restores `tf_state` from the TensorFlow files of `checkpoint`.
@@ -594,12 +779,24 @@ class MultihostCheckpoint(Checkpoint):
 
   Only directories named `{multihost_base_directory}-{integer}` count as host
   directories.
+
+  With `layout="orbax"` every host saves into one Orbax root, the multihost
+  base itself, in one collective save (all processes call `save`, as they
+  do): the state is written once (by process 0), each host's `tf_state` is
+  kept under `process_<host_id>` of the `dataset` item, and a step is listed
+  only once every process has written its part::
+
+    {multihost_base_directory}/{number}/state/, dataset/, metadata/
+
+  An Orbax step is therefore on every host: the restore takes the newest of
+  it and of the newest CLU checkpoint number every host directory holds.
+  `host_id` must then be `jax.process_index()`.
   """
 
   def __init__(self, multihost_base_directory: str,
                tf_state: Optional[Dict[str, Any]] = None, *,
                host_id: Optional[int] = None, max_to_keep: int = 5,
-               checkpoint_name: str = "ckpt"):
+               checkpoint_name: str = "ckpt", layout: Optional[str] = None):
     """Initializes a MultihostCheckpoint with a dict of TensorFlow Trackables.
 
     Args:
@@ -611,9 +808,12 @@ class MultihostCheckpoint(Checkpoint):
       host_id: This host's integer id; default `jax.process_index()`.
       max_to_keep: Number of checkpoints to keep per host (at least 2).
       checkpoint_name: Prefix of the checkpoint files (before `-{number}`).
+      layout: "clu" or "orbax" (see the class docstring); None:
+        `$CLU_CKPT_LAYOUT`, else "clu".
 
     Raises:
-      ValueError: `max_to_keep < 2`.
+      ValueError: `max_to_keep < 2`, or with `layout="orbax"` a `host_id`
+        other than `jax.process_index()`.
       TypeError: `host_id` is not an integer.
     """
     if max_to_keep < 2:
@@ -624,8 +824,23 @@ class MultihostCheckpoint(Checkpoint):
       import jax  # pylint: disable=g-import-not-at-top
       host_id = jax.process_index()
     host_id = operator.index(host_id)
+    self.host_id = host_id
     super().__init__(f"{multihost_base_directory}-{host_id}", tf_state,
-                     max_to_keep=max_to_keep, checkpoint_name=checkpoint_name)
+                     max_to_keep=max_to_keep, checkpoint_name=checkpoint_name,
+                     layout=layout)
+
+  def _new_orbax_steps(self) -> orbax_layout.OrbaxSteps:
+    """The one Orbax root of all hosts: the multihost base directory."""
+    index, count = orbax_layout.process_index_and_count()
+    if self.host_id != index:
+      raise errors.UsageError(
+          f"MultihostCheckpoint({self.multihost_base_directory!r}, "
+          f"layout='orbax'): host_id {self.host_id} is not this process's "
+          f"jax.process_index() {index}; all hosts save one Orbax step "
+          "together, each under its process index")
+    return orbax_layout.OrbaxSteps(
+        safe_normpath(self.multihost_base_directory),
+        kind="MultihostCheckpoint", process_index=index, process_count=count)
 
   def host_directories(self) -> Dict[int, str]:
     """Host id -> directory, for every `{multihost_base_directory}-{int}`."""
@@ -636,7 +851,9 @@ class MultihostCheckpoint(Checkpoint):
 
     Only checkpoints named `{checkpoint_name}-{number}` inside each host's
     directory count; entries of the `checkpoint` files that lead elsewhere
-    are ignored.
+    are ignored. With `layout="orbax"`, the newest Orbax step of the shared
+    root counts too (every host has it: it is listed only once all hosts
+    wrote it), when its number is higher.
 
     Returns:
       This host's path of that checkpoint, or None when this host has no
@@ -646,6 +863,7 @@ class MultihostCheckpoint(Checkpoint):
     if self.base_directory not in directories.values():
       logging.info("%s not in %s", self.base_directory,
                    list(directories.values()))
-      return None
+      return self._newest_of_both(None)
     found = layout.newest_common(directories, self.checkpoint_name)
-    return None if found is None else found[1][self.base_directory]
+    return self._newest_of_both(
+        None if found is None else found[1][self.base_directory])

@@ -36,20 +36,17 @@ status; `main` dispatches.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import logging
 import os
 import re
 import sys
-import threading
 import traceback
-from typing import Any, Iterator, Optional, Sequence, TextIO
-
-from absl import logging as absl_logging
+from typing import Any, Optional, Sequence, TextIO
 
 from clu_ckpt import __version__
+from clu_ckpt import library_logs
 from clu_ckpt import progress
 
 _MIB = 2**20
@@ -74,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       print(f"clu-ckpt {args.command}: error: {name.upper()} is empty",
             file=sys.stderr)
       return 2
-  with _quiet_libraries(args.verbose):
+  with library_logs.quieted(args.verbose):
     try:
       return args.run(args)
     except KeyboardInterrupt as e:
@@ -148,68 +145,6 @@ def _parser() -> argparse.ArgumentParser:
   return parser
 
 
-_NOISY_LOGGERS = ("absl", "asyncio", "jax", "orbax", "tensorflow",
-                  "google.auth")
-
-
-@contextlib.contextmanager
-def _quiet_libraries(verbose: bool) -> Iterator[None]:
-  """Keeps TensorFlow, JAX and Orbax logging off the terminal meanwhile."""
-  if verbose:
-    yield
-    return
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  verbosity = absl_logging.get_verbosity()
-  levels = {name: logging.getLogger(name).level for name in _NOISY_LOGGERS}
-  # Errors too: Orbax logs each failed write with its traceback, and the
-  # command reports every failure itself, in one line.
-  absl_logging.set_verbosity(absl_logging.FATAL)
-  for name in _NOISY_LOGGERS:
-    logging.getLogger(name).setLevel(logging.CRITICAL)
-  # An abandoned step's writes (Ctrl-C) end in TensorStore callbacks that
-  # find Orbax's event loop closed: Python would print each one.
-  hooks = sys.unraisablehook, threading.excepthook
-  sys.unraisablehook = threading.excepthook = lambda *_: None
-  try:
-    yield
-  finally:
-    sys.unraisablehook, threading.excepthook = hooks
-    absl_logging.set_verbosity(verbosity)
-    for name, level in levels.items():
-      logging.getLogger(name).setLevel(level)
-
-
-def _import_tensorflow_quietly() -> None:
-  """Imports TensorFlow (if installed) with its C++ start-up banner muted.
-
-  TensorFlow's native logging prints to file descriptor 2 at import time and
-  ignores `TF_CPP_MIN_LOG_LEVEL` for some messages.
-  """
-  with _file_descriptor_2_muted():
-    try:
-      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
-      pass
-
-
-@contextlib.contextmanager
-def _file_descriptor_2_muted() -> Iterator[None]:
-  try:
-    saved = os.dup(2)
-  except OSError:  # No usable descriptor 2: nothing to mute.
-    yield
-    return
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  try:
-    sys.stderr.flush()
-    os.dup2(devnull, 2)
-    yield
-  finally:
-    os.dup2(saved, 2)
-    os.close(saved)
-    os.close(devnull)
-
-
 # --------------------------------------------------------------------------
 # inspect and verify
 # --------------------------------------------------------------------------
@@ -234,9 +169,61 @@ def _add_inspect(subparsers: Any) -> None:
   p.set_defaults(run=_run_inspect)
 
 
+# The manifest a migration leaves in its root
+# (`clu_ckpt.migration.destination.MANIFEST_NAME`), read here without
+# importing the migration package.
+_MANIFEST_NAME = "clu_ckpt_manifest.json"
+
+
+def _migration_manifest(root: str) -> dict[str, list[dict[str, Any]]]:
+  """{source path: its recorded checkpoints} of a migrated root's manifest
+  ({} for a root without one, or one that cannot be read)."""
+  from clu_ckpt import layout  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  try:
+    path = storage.join(layout.absolute(root), _MANIFEST_NAME)
+    data = json.loads(storage.read_bytes(path))
+  except (OSError, ValueError):
+    return {}
+  sources = data.get("sources") if isinstance(data, dict) else None
+  return {s["path"]: [c for c in s.get("checkpoints") or []
+                      if isinstance(c, dict)]
+          for s in sources or []
+          if isinstance(s, dict) and isinstance(s.get("path"), str)}
+
+
+def _step_hint(root: str, number: int) -> str:
+  """What a migrated root's manifest says about `--checkpoint number`: the
+  step checkpoint `number` became, or the recorded mapping."""
+  mapping = []
+  for source, checkpoints in _migration_manifest(root).items():
+    for c in checkpoints:
+      name, step = c.get("name"), c.get("step")
+      if c.get("number") == number:
+        return (f"; checkpoint {name or number} of {source} was migrated to "
+                f"step {step}: inspect {root} --checkpoint {step}")
+      mapping.append(f"{name} -> {step}")
+  if not mapping:
+    return ""
+  shown = ", ".join(mapping[:8]) + (", ..." if len(mapping) > 8 else "")
+  return (f"; --checkpoint takes an Orbax step here, not a CLU checkpoint "
+          f"number (migrated: {shown})")
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
+  from clu_ckpt import errors  # pylint: disable=g-import-not-at-top
   from clu_ckpt import inspection  # pylint: disable=g-import-not-at-top
-  report = inspection.inspect_path(args.path, args.checkpoint)
+  try:
+    report = inspection.inspect_path(args.path, args.checkpoint)
+  except errors.CheckpointNotFoundError as e:
+    if args.checkpoint is None or not inspection.is_orbax_root(args.path):
+      raise
+    hint = _step_hint(args.path, args.checkpoint)
+    if not hint:
+      raise
+    print(f"clu-ckpt inspect: error: {_one_line(e, args)}{hint}",
+          file=sys.stderr)
+    return 1
   if args.json:
     print(json.dumps(report, indent=1))
   else:
@@ -277,6 +264,7 @@ def _run_verify(args: argparse.Namespace) -> int:
             f"{args.path} is not one", file=sys.stderr)
       return 2
     result = inspection.verify_orbax_root(args.path, args.source)
+    _name_the_recorded_source(args.path, args.source, result)
   else:
     report = progress.VerifyReport(sys.stderr, sys.stderr.isatty())
     try:
@@ -293,6 +281,23 @@ def _run_verify(args: argparse.Namespace) -> int:
           f"{'s' if len(result['problems']) != 1 else ''}: "
           f"{'OK' if result['ok'] else 'FAILED'}")
   return 0 if result["ok"] else 1
+
+
+def _name_the_recorded_source(root: str, source: str, result: dict) -> None:
+  """Puts first among `result`'s problems, when `source` is not what the
+  root's manifest says it was migrated from, the source it names."""
+  from clu_ckpt import layout  # pylint: disable=g-import-not-at-top
+  recorded = list(_migration_manifest(root))
+  try:
+    given = layout.absolute(source)
+  except (OSError, ValueError):
+    given = source
+  if not recorded or given in recorded or source in recorded:
+    return
+  result["problems"].insert(0, (
+      f"{source}: not the source {root} was migrated from; its manifest names "
+      f"{', '.join(recorded)}: verify {root} --source {recorded[0]}"))
+  result["ok"] = False
 
 
 # --------------------------------------------------------------------------
@@ -414,8 +419,6 @@ def _run_migrate(args: argparse.Namespace) -> int:
     print(f"clu-ckpt migrate: error: --template {args.template!r}: expected "
           "MODULE:FUNCTION", file=sys.stderr)
     return 2
-  if not args.verbose and not args.dry_run:
-    _import_tensorflow_quietly()
   template = None
   if args.template is not None:
     try:

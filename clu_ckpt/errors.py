@@ -150,7 +150,7 @@ class MissingBackendError(CluCkptError, ImportError):
   """The package a storage back end needs (gcsfs, s3fs) is not installed.
 
   The message names the scheme and the extra that installs it
-  (`pip install clu_ckpt[gcs]`).
+  (`pip install -e '.[gcs]'` in a checkout).
   """
 
 

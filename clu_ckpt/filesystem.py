@@ -20,7 +20,7 @@ from typing import Any, Callable, ContextManager, Optional
 
 TF_INSTALL_HINT = (
     "TensorFlow is required for this: install it with `pip install "
-    "tensorflow-cpu` (or `pip install clu_ckpt[tf]`).")
+    "tensorflow-cpu` (or `pip install -e '.[tf]'` in a clu_ckpt checkout).")
 
 
 class FileSystem(abc.ABC):

@@ -16,6 +16,7 @@ Synopsis::
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -52,7 +53,7 @@ def dtype_from_name(name: Union[str, bytes]) -> np.dtype:
   if dtype is None and 2 <= len(raw) <= 32 and raw[:1] in (b"<", b">", b"|",
                                                            b"="):
     try:
-      dtype = np.dtype(raw.decode("ascii"))
+      dtype = _numpy_dtype(raw.decode("ascii"))
     except (TypeError, ValueError, UnicodeDecodeError):
       dtype = None
   if dtype is None:
@@ -93,6 +94,27 @@ def _dtype_from_name(raw: bytes) -> Optional[np.dtype]:
   return dtype
 
 
+# NumPy 2 deprecates the type code "a" (bytes; "S" is its name), with a
+# DeprecationWarning at each use.
+_DEPRECATED_ALIAS = re.compile(r"^[<>|=]?a\d*$")
+
+
+def _numpy_dtype(text: str) -> np.dtype:
+  """`np.dtype(text)`, refusing the aliases NumPy deprecates ("a", "|a5").
+
+  numpy never writes them (`.name` and `.str` say "bytes40", "|S5"), so a
+  file naming one was not written by numpy or Flax: an unknown name, not a
+  warning. (Checked by name, not by turning the warning into an error:
+  `warnings.catch_warnings` is not safe in the reading threads.)
+
+  Raises:
+    TypeError: Not a dtype, or a deprecated alias of one.
+  """
+  if _DEPRECATED_ALIAS.match(text):
+    raise TypeError(f"deprecated dtype alias {text!r}")
+  return np.dtype(text)
+
+
 def _parse_dtype_name(name: str) -> Optional[np.dtype]:
   for prefix, code, bits in (("str", "U", 32), ("bytes", "S", 8),
                              ("void", "V", 8)):
@@ -100,7 +122,7 @@ def _parse_dtype_name(name: str) -> Optional[np.dtype]:
       size = int(name[len(prefix):])
       return np.dtype(f"{code}{size // bits}") if size % bits == 0 else None
   try:
-    return np.dtype(name)
+    return _numpy_dtype(name)
   except TypeError:
     pass
   try:

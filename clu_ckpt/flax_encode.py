@@ -12,6 +12,14 @@ C-order flattened data cut into pieces of `max(1, int(chunk_bytes /
 itemsize))` elements, each an ordinary 1-D ndarray ext. Callers use
 `flax_format.save` and `flax_format.save_file`; this module has no file I/O.
 
+The bytes follow the installed Flax (its version read from the package
+metadata, without importing it). Flax before 0.9.0 hands what msgpack cannot
+pack to numpy (`np.issctype`): a Python `complex` becomes a numpy complex128
+scalar (ext type 3) and an int outside [-2**63, 2**64 - 1] an object array,
+refused with ValueError. Flax 0.9.0 (its commit 5172c78, "Fix users of NumPy
+APIs that are removed in NumPy 2.0") writes `complex` natively (ext type 2) and
+leaves msgpack's OverflowError; so does clu_ckpt when Flax is absent.
+
 Synopsis::
 
   from clu_ckpt import flax_encode
@@ -23,9 +31,12 @@ Synopsis::
 
 from __future__ import annotations
 
+import functools
+from importlib import metadata
+import re
 import struct
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import msgpack
 import numpy as np
@@ -42,6 +53,38 @@ _WRITE_BLOCK = 64 * 2**20
 _SMALL_BUFFER = 2**20
 
 _PLAIN_LEAVES = (type(None), bool, int, float, str, bytes, complex)
+
+# The first Flax release that writes a Python complex natively (ext type 2)
+# and leaves out-of-range ints to msgpack's OverflowError.
+NATIVE_COMPLEX_FLAX = (0, 9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def installed_flax_version() -> Optional[tuple[int, ...]]:
+  """The installed Flax's version as numbers, None when Flax is absent.
+
+  Read from the package metadata: Flax is not imported. Cached; tests that
+  install or fake another version call `installed_flax_version.cache_clear()`.
+
+  Returns:
+    E.g. (0, 8, 5); None without Flax.
+  """
+  try:
+    version = metadata.version("flax")
+  except metadata.PackageNotFoundError:
+    return None
+  return tuple(int(n) for n in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def legacy_flax_leaves() -> bool:
+  """Whether the installed Flax writes leaves as Flax before 0.9.0 does.
+
+  True for Flax 0.8.x: a Python complex is written as a numpy complex128
+  scalar and ints msgpack cannot hold raise ValueError. False for newer Flax
+  and without Flax (the native complex, OverflowError).
+  """
+  version = installed_flax_version()
+  return version is not None and version < NATIVE_COMPLEX_FLAX
 
 
 def encode(state: Any, write: Callable[[Any], Any], *,
@@ -63,10 +106,13 @@ def encode(state: Any, write: Callable[[Any], Any], *,
     The number of bytes passed to `write`.
 
   Raises:
-    TypeError, ValueError, OverflowError: See `flax_format.save`.
+    TypeError, ValueError, OverflowError: See `flax_format.save`; an int
+      outside [-2**63, 2**64 - 1] raises what the installed Flax raises
+      (ValueError before Flax 0.9.0, OverflowError since and without Flax).
   """
   sink = _Sink(write)
-  _Encoder(sink, chunk_bytes).value(_to_state_dict(state), "")
+  _Encoder(sink, chunk_bytes, legacy_flax_leaves()).value(
+      _to_state_dict(state), "")
   sink.flush()
   return sink.total
 
@@ -101,9 +147,10 @@ class _Sink:
 class _Encoder:
   """Walks a state dict and emits the msgpack bytes `to_bytes` would."""
 
-  def __init__(self, sink: _Sink, chunk_bytes: int):
+  def __init__(self, sink: _Sink, chunk_bytes: int, legacy: bool):
     self._sink = sink
     self._chunk_bytes = chunk_bytes
+    self._legacy = legacy  # Flax < 0.9.0: see `legacy_flax_leaves`
     self._packer = msgpack.Packer(use_bin_type=True, strict_types=True,
                                   autoreset=True)
 
@@ -118,6 +165,8 @@ class _Encoder:
       self._array(obj, path)
     elif isinstance(obj, np.generic):
       self._ndarray_ext(_EXT_NPSCALAR, np.asarray(obj), path)
+    elif kind is complex and self._legacy:
+      self._ndarray_ext(_EXT_NPSCALAR, np.asarray(obj), path)
     elif kind is complex:
       payload = msgpack.packb((obj.real, obj.imag))
       self._sink.small(_ext_header(_EXT_COMPLEX, len(payload)) + payload)
@@ -131,6 +180,14 @@ class _Encoder:
       raise errors.UnsupportedLeafError(
           f"{e} at {path or '/'}: register its type with flax.serialization "
           "or convert it to a supported leaf") from None
+    except OverflowError:
+      if not self._legacy:
+        raise
+      # Flax < 0.9.0 turns the int into a numpy object array and refuses it.
+      raise errors.InvalidCheckpointError(
+          "Object and structured dtypes not supported for serialization of "
+          f"ndarrays (the int {obj} at {path or '/'} is outside [-2**63, "
+          "2**64 - 1]).") from None
 
   def _array(self, arr: Any, path: str) -> None:
     arr = np.asarray(arr)  # zero-copy for numpy and CPU jax arrays

@@ -1,7 +1,7 @@
 """The object-store back end of `filesystem.FileSystem`: `gs://` and `s3://`.
 
 Built on fsspec (`gcsfs` for `gs://`, `s3fs` for `s3://`; the extras
-`clu_ckpt[gcs]` and `clu_ckpt[s3]` install them). TensorFlow is never
+`[gcs]` and `[s3]` of a checkout install them). TensorFlow is never
 imported here: a Colab reads a bucket's checkpoint with these two packages.
 
 How the store's semantics map onto the seam:
@@ -25,6 +25,15 @@ How the store's semantics map onto the seam:
   bucket exists, so a misspelt bucket fails at once, by name.
 - **No caching between calls**: listings are never cached, so a second
   process' writes are seen at once.
+- **An unreachable store fails fast.** Until the store has answered once in
+  this process, a request gets no retries and at most `FIRST_CONTACT_SECONDS`
+  (10 s) to answer: a wrong endpoint, a store that refuses connections, no
+  network or an unreachable credentials server end in seconds with one
+  error naming the path, not after the clients' minute of retries. Once the
+  store has answered, gcsfs' and s3fs' own retries and timeouts apply
+  (transient 5xx, throttling, dropped connections). On S3, botocore's
+  "standard" retry mode is used unless `AWS_RETRY_MODE` or
+  `AWS_MAX_ATTEMPTS` says otherwise.
 
 Configuration is the conventional one only: `STORAGE_EMULATOR_HOST` for GCS
 (also handed to TensorStore as `TENSORSTORE_GCS_HTTP_URL` when that is not
@@ -83,8 +92,19 @@ _PACKAGES = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"),
              "s3": ("s3fs", "s3")}
 _SCHEME_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9.+-]+)://", re.I)
 
+# Until a store has answered once, a request may wait this long for its
+# answer (and its connection half as long), with no retries.
+FIRST_CONTACT_SECONDS = 10.0
+# S3 calls carrying a body: a slow link may take longer than the above to
+# send them, so they are never timed as a first contact.
+_S3_UPLOADS = ("put_object", "upload_part")
+
 MissingBackendError = errors.MissingBackendError
 StoreAccessError = errors.StoreAccessError
+
+
+class StoreUnreachableError(OSError):
+  """The store has not answered: connection refused or no answer in time."""
 
 
 def configure_environment() -> None:
@@ -156,6 +176,8 @@ def _translate(e: BaseException, path: str) -> BaseException:
   """`e` as the error the seam promises, naming `path`."""
   if isinstance(e, errors.CluCkptError):
     return e
+  if isinstance(e, StoreUnreachableError):
+    return StoreUnreachableError(e.errno, e.strerror, path)
   if isinstance(e, (FileNotFoundError, FileExistsError)):
     return e if path in str(e) else type(e)(e.errno or 2, str(e), path)
   name = type(e).__name__
@@ -173,7 +195,7 @@ def _translate(e: BaseException, path: str) -> BaseException:
       type(e).__module__.split(".")[0] in _STORE_MODULES):
     # A server error (503, 429 after the client's retries) or a connection
     # failure: an I/O error like any other, naming the object.
-    return OSError(errno.EIO, f"{path}: {type(e).__name__}: {e}")
+    return OSError(errno.EIO, f"{type(e).__name__}: {e}", path)
   return e
 
 
@@ -219,7 +241,8 @@ class FsspecFileSystem(filesystem.FileSystem):
     except ImportError as e:
       raise MissingBackendError(
           f"{self._scheme}:// paths need the `{package}` package: install "
-          f"it with `pip install clu_ckpt[{extra}]`") from e
+          f"it with `pip install {package}` (or `pip install -e '.[{extra}]'` "
+          "in a clu_ckpt checkout)") from e
     options: dict[str, Any] = {"skip_instance_cache": True,
                                "use_listings_cache": False}
     if package == "gcsfs":
@@ -227,8 +250,12 @@ class FsspecFileSystem(filesystem.FileSystem):
         # An emulator takes no credentials: do not look for any (that would
         # ask a metadata server, or Google's token endpoint).
         options["token"] = "anon"
-      return module.GCSFileSystem(**options)
-    return module.S3FileSystem(**options)
+      return _first_contact_gcs(module)(**options)
+    if not {"AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"} & set(os.environ):
+      # botocore's legacy mode retries a refused connection 5 times over
+      # ~7 s; "standard" (AWS' recommended mode) 3 times, in ~2 s.
+      options["config_kwargs"] = {"retries": {"mode": "standard"}}
+    return _first_contact_s3(module)(**options)
 
   def _key(self, path: str) -> str:
     """`bucket/key` as fsspec wants it."""
@@ -288,7 +315,14 @@ class FsspecFileSystem(filesystem.FileSystem):
     return sorted(n for n in names if n)
 
   def glob(self, pattern: str) -> list[str]:
-    with self._naming(pattern):
+    """The objects and prefixes matching `pattern`, sorted.
+
+    Raises:
+      FileNotFoundError: The bucket does not exist; it names the directory
+        searched (the pattern up to its first wildcard's component), not
+        the pattern, which is the caller's, not the user's.
+    """
+    with self._naming(_searched(pattern)):
       found = self.fs.glob(self._key(pattern))
     return sorted(self._url(p) for p in found)
 
@@ -419,7 +453,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     self.makedirs(path)
     if not _has_exclusive_create(self.fs):
       raise NotImplementedError(
-          f"{path}: the installed {type(self.fs).__module__.split('.')[0]} "
+          f"{path}: the installed {_package(self.fs)} "
           "cannot create an object only if absent (upgrade it, and botocore "
           "for s3://)")
     with self._naming(path):
@@ -431,6 +465,148 @@ class FsspecFileSystem(filesystem.FileSystem):
         if _status(e) in (409, 412):
           raise FileExistsError(17, "already exists", path) from None
         raise
+
+
+def _searched(pattern: str) -> str:
+  """The directory a glob searches: `pattern` before its first wildcard.
+
+  Example::
+
+    _searched("gs://b/run1/checkpoints-*")   # "gs://b/run1"
+  """
+  m = re.search(r"[*?\[]", pattern)
+  head = pattern[:pattern.rfind("/", 0, m.start())] if m else pattern
+  return head if _SCHEME_RE.match(head) and split_url(head)[1] else pattern
+
+
+def _no_answer(endpoint: str) -> StoreUnreachableError:
+  return StoreUnreachableError(
+      errno.ETIMEDOUT, f"no answer from the store at {endpoint} within "
+      f"{FIRST_CONTACT_SECONDS:g} s (network, endpoint or firewall?)")
+
+
+_CLASSES: dict[str, Any] = {}
+
+
+def _publish(kind: str, cls: Any) -> Any:
+  """Names `cls` as this module's attribute, so that a copy rebuilt by fsspec (`__reduce__`) finds it."""
+  cls.__module__, cls.__qualname__ = __name__, cls.__name__
+  _CLASSES[kind] = cls
+  return cls
+
+
+def __getattr__(name: str) -> Any:
+  """The first-contact classes, made on first use (PEP 562).
+
+  They subclass gcsfs' and s3fs' classes, which are imported only when a
+  bucket is used; a file system rebuilt from `__reduce__` asks for its class by name here.
+  """
+  if name == "FirstContactGCSFileSystem":
+    return _first_contact_gcs(__import__("gcsfs"))
+  if name == "FirstContactS3FileSystem":
+    return _first_contact_s3(__import__("s3fs"))
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _first_contact_gcs(gcsfs: Any) -> Any:
+  """gcsfs' file system class, failing fast until the store first answers.
+
+  gcsfs retries a refused connection 6 times over ~33 s, logging each
+  failure's traceback, and waits 5 minutes for a store that accepts the
+  connection but never answers. Before the first answer (any HTTP status,
+  404 included) a request here is made once, with a connect timeout of
+  `FIRST_CONTACT_SECONDS / 2` and a read timeout of `FIRST_CONTACT_SECONDS`;
+  afterwards gcsfs' own retrying request is used unchanged.
+  """
+  if "gcs" in _CLASSES:
+    return _CLASSES["gcs"]
+  import aiohttp  # pylint: disable=g-import-not-at-top
+  import google.auth.exceptions  # pylint: disable=g-import-not-at-top
+  base = gcsfs.GCSFileSystem
+  once = getattr(base._request, "__wrapped__", None)  # pylint: disable=protected-access
+  unanswered = (aiohttp.ClientConnectionError, TimeoutError,
+                google.auth.exceptions.GoogleAuthError)
+
+  class FirstContactGCSFileSystem(base):
+    """gcsfs, with no retries and short timeouts until the store answers."""
+
+    _answered = False
+
+    async def _request(self, method, path, *args, **kwargs):
+      if self._answered or once is None:
+        return await super()._request(method, path, *args, **kwargs)
+      saved = self.requests_timeout
+      self.requests_timeout = aiohttp.ClientTimeout(
+          total=None, sock_connect=FIRST_CONTACT_SECONDS / 2,
+          sock_read=FIRST_CONTACT_SECONDS)
+      try:
+        result = await once(self, method, path, *args, **kwargs)
+      except TimeoutError as e:
+        raise _no_answer(self._location) from e
+      except unanswered:
+        raise
+      except Exception:
+        self._answered = True  # an HTTP error is an answer
+        raise
+      finally:
+        self.requests_timeout = saved
+      self._answered = True
+      return result
+
+  return _publish("gcs", FirstContactGCSFileSystem)
+
+
+def _first_contact_s3(s3fs: Any) -> Any:
+  """s3fs' file system class, failing fast until the store first answers.
+
+  Until the first answer (any response, an error status included) a call
+  other than an upload is tried once by s3fs (botocore still retries a
+  refused connection within its mode) and given `FIRST_CONTACT_SECONDS`.
+  """
+  if "s3" in _CLASSES:
+    return _CLASSES["s3"]
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import botocore.exceptions  # pylint: disable=g-import-not-at-top
+  # No response at all (a status comes as ClientError, which s3fs turns
+  # into FileNotFoundError, PermissionError...).
+  unanswered = (botocore.exceptions.BotoCoreError, ConnectionError)
+
+  class FirstContactS3FileSystem(s3fs.S3FileSystem):
+    """s3fs, with no retries and a deadline until the store answers."""
+
+    _answered = False
+
+    async def _call_s3(self, method, *args, **kwargs):
+      if self._answered or method in _S3_UPLOADS:
+        return await super()._call_s3(method, *args, **kwargs)
+      await self.set_session()  # the client's set-up is not the store's time
+      saved, self.retries = self.retries, 1
+      try:
+        result = await asyncio.wait_for(
+            super()._call_s3(method, *args, **kwargs), FIRST_CONTACT_SECONDS)
+      except TimeoutError as e:
+        raise _no_answer(self.client_kwargs.get("endpoint_url") or
+                         os.environ.get("AWS_ENDPOINT_URL") or "S3") from e
+      except unanswered:
+        raise
+      except Exception:
+        self._answered = True  # an error status (s3fs' OSErrors) is an answer
+        raise
+      finally:
+        self.retries = saved
+      self._answered = True
+      return result
+
+  return _publish("s3", FirstContactS3FileSystem)
+
+
+def _package(fs: Any) -> str:
+  """The package of `fs`' class ("gcsfs", "s3fs"), past this module's own."""
+  for cls in type(fs).__mro__:
+    package = cls.__module__.split(".")[0]
+    if package != "clu_ckpt":
+      return package
+  return "clu_ckpt"
 
 
 def _has_exclusive_create(fs: Any) -> bool:
@@ -447,7 +623,7 @@ def _has_exclusive_create(fs: Any) -> bool:
       return False
   except (TypeError, ValueError):
     return False
-  if type(fs).__module__.split(".")[0] == "s3fs":
+  if _package(fs) == "s3fs":
     try:
       import botocore  # pylint: disable=g-import-not-at-top
       version = tuple(int(p) for p in botocore.__version__.split(".")[:3])

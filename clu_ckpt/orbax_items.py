@@ -140,15 +140,17 @@ def tf_state_names(prefix: str, *, check: bool = False) -> list[str]:
 
   The names come from the `.index` table, read with ranged reads and
   without TensorFlow (`index_entries`). `check` then verifies, still without
-  TensorFlow, that every value lies inside its data shard and that the
-  fixed-size ones (the save counter...) match the crc32c TensorFlow
-  recorded (`tf_bundle.check_data`); the iterator state itself (a variant) is
-  checked by TensorFlow, when it is installed: only for checkpoints that
-  hold `tf_state`, on a local copy of the files when they are in a bucket
-  (TensorFlow's own file systems know neither s3:// nor an emulator's
-  gs://). Without TensorFlow that last check is skipped: the bytes are
-  copied as they are, and TensorFlow checks them when the iterator is
-  restored. An index with compressed blocks is read by TensorFlow only.
+  TensorFlow, that every value lies inside its data shard and matches the
+  crc32c TensorFlow recorded, the iterator state (a variant) included, as
+  TensorFlow's reader checks it (`tf_bundle.check_data`). Only where that
+  cannot be done without TensorFlow (no `google_crc32c`, a value over
+  `tf_bundle`'s read limits) does TensorFlow check the values, when it is
+  installed: only for checkpoints that hold `tf_state`, on a local copy of
+  the files when they are in a bucket (TensorFlow's own file systems know
+  neither s3:// nor an emulator's gs://); without it that check is skipped
+  (the bytes are copied as they are, and TensorFlow checks them when the
+  iterator is restored). An index with compressed blocks is read by
+  TensorFlow only.
 
   Args:
     prefix: A checkpoint prefix (path or `gs://`/`s3://` URL).
@@ -167,8 +169,8 @@ def tf_state_names(prefix: str, *, check: bool = False) -> list[str]:
     return _state_names(_tf_variable_names(prefix, check))
   names = _state_names(entries)
   if check:
-    tf_bundle.check_data(prefix, shards, entries)
-    if names:
+    complete = tf_bundle.check_data(prefix, shards, entries)
+    if names and not complete:
       try:
         _tf_variable_names(prefix, check=True)
       except ImportError:

@@ -451,7 +451,8 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
   item directory with its own metadata; unfinished temporary step
   directories are reported (Orbax ignores them, a re-run of the migration
   replaces them). With `source`, each migrated step's leaf summary (paths,
-  dtypes, shapes) must equal the headers of the CLU `.flax` it came from.
+  dtypes, shapes) must equal the headers of the CLU `.flax` it came from,
+  on every host, and each host must still hold that checkpoint's `.index`.
   Array values are compared by `clu-ckpt migrate --verify`, which reads
   them back through Orbax.
 
@@ -545,6 +546,10 @@ def _compare_with_source(step_dir: str, src, problems: list) -> None:
          for l in clu.get("leaves") or []]
   for host, directory in src.host_directories.items():
     flax_path = storage.join(directory, f"{clu['clu_checkpoint']}.flax")
+    index_path = storage.join(directory, f"{clu['clu_checkpoint']}.index")
+    if not storage.exists(index_path):
+      problems.append(f"{index_path}: missing (TensorFlow files of the "
+                      f"checkpoint {step_dir} was migrated from)")
     try:
       expected = [(l.path, l.dtype, list(l.shape) if l.shape is not None else
                    None) for l in flax_format.inspect_file(flax_path)]

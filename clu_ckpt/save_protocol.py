@@ -113,7 +113,8 @@ def future_checkpoints(manager: Any, base_directory: str,
 
 
 def delete_future_checkpoints(manager: Any, base_directory: str,
-                              checkpoint_name: str, current: int) -> None:
+                              checkpoint_name: str, current: int, *,
+                              keep_current: bool = True) -> None:
   """Removes every checkpoint after the current one.
 
   They exist after restoring an older checkpoint than the newest (a host
@@ -135,6 +136,9 @@ def delete_future_checkpoints(manager: Any, base_directory: str,
     base_directory: The checkpoint directory.
     checkpoint_name: Prefix of the checkpoint files (`ckpt`).
     current: The number last saved or restored (0: none).
+    keep_current: Keep the current checkpoint listed when nothing else is
+      (False when it is not a CLU checkpoint: an Orbax step of
+      `Checkpoint(layout="orbax")`).
 
   Raises:
     OSError: The state file or a file could not be rewritten or removed.
@@ -145,10 +149,43 @@ def delete_future_checkpoints(manager: Any, base_directory: str,
     return
   tf_manager.unlist(
       manager, base_directory, list(future),
-      _numbered(base_directory, checkpoint_name, current) if current else None)
+      _numbered(base_directory, checkpoint_name, current)
+      if current and keep_current else None)
   for paths in future.values():
     for path in paths:
       logging.info("Cleaning up future checkpoint file '%s'", path)
+      _remove(path)
+
+
+def delete_checkpoints(manager: Any, base_directory: str,
+                       checkpoints: list[str]) -> None:
+  """Unlists `checkpoints` from TensorFlow's `checkpoint` file, then deletes
+  their files (`.flax`, `.index`, `.data-*`).
+
+  `Checkpoint(layout="orbax")` prunes CLU checkpoints that have an Orbax
+  copy this way; only checkpoints inside `base_directory` are touched.
+
+  Example::
+
+    delete_checkpoints(manager, "/ckpts", ["/ckpts/ckpt-2"])
+
+  Args:
+    manager: The directory's `tf.train.CheckpointManager`.
+    base_directory: The checkpoint directory.
+    checkpoints: The checkpoints (paths as listed).
+
+  Raises:
+    OSError: The state file or a file could not be rewritten or removed.
+  """
+  inside = [c for c in checkpoints if layout.is_contained(base_directory, c)]
+  if not inside:
+    return
+  latest = manager.latest_checkpoint
+  tf_manager.unlist(manager, base_directory, inside,
+                    latest if latest not in inside else None)
+  for checkpoint in inside:
+    for path in layout.checkpoint_files(checkpoint):
+      logging.info("Removing checkpoint file '%s'", path)
       _remove(path)
 
 

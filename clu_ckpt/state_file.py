@@ -52,6 +52,36 @@ MAX_STATE_ENTRIES = 2**22
 CheckpointStateError = errors.CheckpointStateError
 
 
+@dataclasses.dataclass(frozen=True)
+class TextRules:
+  r"""The text-format rules of one protobuf release, where releases differ.
+
+  TensorFlow parses the file with the text format of the protobuf installed
+  beside it, and releases differ (measured against the real TensorFlow):
+  protobuf 4.25 (TensorFlow 2.16) and 5.29 (TensorFlow 2.18) read numbers
+  with leading zeros (`01` is 1.0) and only a lowercase `f` suffix; 7.x
+  (TensorFlow 2.21) refuses leading zeros and also takes `2F`. Protobuf 4.25
+  unescapes a string in one `unicode_escape` pass (a `\u` escape above U+00FF
+  or an octal one above `\377` stays as the text `\uXXXX`); 5.29 and 7.x
+  decode `\u` escapes first and refuse those.
+
+  Attributes:
+    leading_zeros: Numbers such as `01` and `-00.5` are read (4.25, 5.29).
+    upper_f: A `F` suffix is read like `f` (7.x).
+    escapes: "current" (5.x on), "legacy" (4.x), or "either" (current,
+      falling back to legacy where current refuses a string).
+  """
+  leading_zeros: bool
+  upper_f: bool
+  escapes: str
+
+
+# What `read_checkpoint_state` accepts: every file some supported TensorFlow
+# reads (a string readable by both escape rules means what current protobuf
+# says: TensorFlow itself never writes `\u` escapes).
+LENIENT_RULES = TextRules(leading_zeros=True, upper_f=True, escapes="either")
+
+
 @dataclasses.dataclass
 class CheckpointState:
   """What TensorFlow's `checkpoint` state file says about a directory.
@@ -138,7 +168,7 @@ def read_checkpoint_state(directory: str, *,
     return _unusable(path, f"not UTF-8 at byte {e.start}", strict, e)
   del data
   try:
-    fields = _parse_text_proto(text)
+    fields = _parse_text_proto(text, LENIENT_RULES)
   except _TooManyEntries as e:
     raise CheckpointStateError(path, str(e)) from None
   except ValueError as e:
@@ -327,8 +357,12 @@ _ITEMS_RE = {
 }
 
 
-def _parse_text_proto(text: str) -> dict[str, list]:
+def _parse_text_proto(text: str,
+                      rules: TextRules = LENIENT_RULES) -> dict[str, list]:
   """Parses the flat text proto of a CheckpointState into field -> values.
+
+  `rules` says how numbers and escapes are read (`TextRules`); the tests
+  check each protobuf release's rules against the TensorFlow installed.
 
   Raises:
     ValueError: "line 3, column 7: ..." (a syntax error, an unknown field, a
@@ -339,8 +373,8 @@ def _parse_text_proto(text: str) -> dict[str, list]:
   pos = bulk_from = 0
   while pos >= 0:
     if pos >= bulk_from:
-      pos, bulk_from = _parse_run("field", text, pos, fields)
-    pos = _parse_field(text, pos, fields)
+      pos, bulk_from = _parse_run("field", text, pos, fields, rules)
+    pos = _parse_field(text, pos, fields, rules)
     _check_entries(fields)
   return fields
 
@@ -361,7 +395,7 @@ def _check_entries(fields: dict[str, list]) -> None:
 
 
 def _parse_run(kind: str, text: str, pos: int, fields: dict[str, list],
-               name: str = "") -> tuple[int, int]:
+               rules: TextRules, name: str = "") -> tuple[int, int]:
   """Appends a run of simple fields or list items at `pos` in bulk.
 
   Returns:
@@ -374,16 +408,16 @@ def _parse_run(kind: str, text: str, pos: int, fields: dict[str, list],
   end = m.end()
   found = _ITEMS_RE[kind].findall(text, pos, end)
   string = ((lambda t: t[1:-1]) if text.find("\\", pos, end) < 0 else
-            (lambda t: _unescape(t).decode("utf-8")))
+            (lambda t: _unescape(t, rules).decode("utf-8")))
   try:
     if kind == "field":
-      values = [(s, string(v)) if s else (f, _double(w))
+      values = [(s, string(v)) if s else (f, _double(w, rules))
                 for s, v, f, w in found]
     elif kind == "number":
       try:
         values = list(map(float, found))
       except ValueError:
-        values = [_double(t) for t in found]
+        values = [_double(t, rules) for t in found]
     else:
       values = list(map(string, found))
   except ValueError:
@@ -403,7 +437,8 @@ def _token(text: str, pos: int) -> tuple[Optional[str], int, int]:
   return kind, m.start(kind) if kind else m.end(), m.end()
 
 
-def _parse_field(text: str, pos: int, fields: dict[str, list]) -> int:
+def _parse_field(text: str, pos: int, fields: dict[str, list],
+                 rules: TextRules) -> int:
   """Parses one field of any form at `pos`; returns its end, -1 at the end."""
   kind, start, end = _token(text, pos)
   name = text[start:end]
@@ -418,22 +453,23 @@ def _parse_field(text: str, pos: int, fields: dict[str, list]) -> int:
   if name in _REPEATED and text[start:end] == "[":
     kind, start, pos = _token(text, end)
     if text[start:pos] != "]":
-      pos = _parse_list(text, end, name, fields)
+      pos = _parse_list(text, end, name, fields, rules)
   else:
-    pos = _parse_value(text, pos, name, fields)
+    pos = _parse_value(text, pos, name, fields, rules)
   kind, start, end = _token(text, pos)
   return end if text[start:end] in (",", ";") else pos
 
 
-def _parse_list(text: str, pos: int, name: str, fields: dict[str, list]) -> int:
+def _parse_list(text: str, pos: int, name: str, fields: dict[str, list],
+                rules: TextRules) -> int:
   """Parses `value, value]` at `pos` (after the `[`); returns its end."""
   kind = "string" if name in _STRING_FIELDS else "number"
   bulk_from = pos
   while True:
     if pos >= bulk_from:
-      pos, bulk_from = _parse_run(kind, text, pos, fields, name)
+      pos, bulk_from = _parse_run(kind, text, pos, fields, rules, name)
       _check_entries(fields)
-    pos = _parse_value(text, pos, name, fields)
+    pos = _parse_value(text, pos, name, fields, rules)
     _, start, end = _token(text, pos)
     if text[start:end] == "]":
       return end
@@ -442,13 +478,13 @@ def _parse_list(text: str, pos: int, name: str, fields: dict[str, list]) -> int:
     pos = end
 
 
-def _parse_value(text: str, pos: int, name: str,
-                 fields: dict[str, list]) -> int:
+def _parse_value(text: str, pos: int, name: str, fields: dict[str, list],
+                 rules: TextRules) -> int:
   """Appends the value at `pos` (adjacent strings joined); returns its end."""
   kind, start, end = _token(text, pos)
   if name in _FLOAT_FIELDS and kind is not None:
     try:
-      fields[name].append(_double(text[start:end]))
+      fields[name].append(_double(text[start:end], rules))
     except ValueError as e:
       raise _syntax_error(text, start, str(e)) from None
     return end
@@ -467,7 +503,7 @@ def _parse_value(text: str, pos: int, name: str,
     else:
       for t in _ITEMS_RE["adjacent"].finditer(text, pos, m.end()):
         try:
-          pieces.append(_unescape(t[1]))
+          pieces.append(_unescape(t[1], rules))
         except ValueError as e:
           raise _syntax_error(text, t.start(1),
                               f"bad escape in a string: {e}") from None
@@ -496,9 +532,9 @@ _INF_RE = re.compile(r"(-?)inf(?:inity)?f?", re.I)
 _NAN_RE = re.compile(r"nanf?", re.I)
 
 
-def _double(token: str) -> float:
+def _double(token: str, rules: TextRules) -> float:
   """`token` read as protobuf's text format reads a double (`-inf`, `2f`)."""
-  if not _OCTAL_FLOAT_RE.match(token):
+  if rules.leading_zeros or not _OCTAL_FLOAT_RE.match(token):
     with contextlib.suppress(ValueError):
       return float(token)
     if m := _INF_RE.fullmatch(token):
@@ -506,7 +542,7 @@ def _double(token: str) -> float:
     if _NAN_RE.fullmatch(token):
       return math.nan
     with contextlib.suppress(ValueError):
-      return float(token.rstrip("fF"))
+      return float(token.rstrip("fF" if rules.upper_f else "f"))
   raise ValueError(f"not a number: {_excerpt(token)}")
 
 
@@ -524,13 +560,48 @@ _VECTOR_MIN = 1 << 16  # longer strings are fixed with numpy (see _insert)
 _CHUNK = 1 << 20
 
 
-def _unescape(token: str) -> bytes:
+def _unescape(token: str, rules: TextRules) -> bytes:
   r"""The bytes a quoted string (`token`, with its quotes) stands for.
 
   Raises:
-    ValueError: A bad escape (`\x` without digits, a trailing backslash,
-      `\400`, a truncated `\u`, a surrogate...).
+    ValueError: A bad escape (`\x` without digits, a trailing backslash; with
+      current rules also `\400`, a truncated `\u`, a surrogate...).
   """
+  if rules.escapes == "legacy":
+    return _legacy_unescape(token)
+  try:
+    return _current_unescape(token)
+  except ValueError:
+    if rules.escapes != "either":
+      raise
+    return _legacy_unescape(token)
+
+
+def _legacy_unescape(token: str) -> bytes:
+  r"""`_unescape` as protobuf 4.x does it: one `unicode_escape` pass.
+
+  The UTF-8 bytes of the text are decoded with `unicode_escape` (octal, hex,
+  C, `\u`, `\U` and `\N{}` escapes at once) and encoded back with
+  `raw_unicode_escape`: characters up to U+00FF become their byte, later ones
+  the ASCII text `\uXXXX` / `\UXXXXXXXX`.
+  """
+  hidden = token.encode("utf-8").replace(b"\\\\", b"\xff\xff")
+  if b"\\x" in hidden:
+    hidden = _fix_escapes(hidden, "hex")
+  hidden = _fix_escapes(hidden, "unknown")
+  # `\400`..`\777` are U+0100..U+01FF to the codec (which warns about them).
+  hidden = _BIG_OCTAL_RE.sub(lambda m: b"\\u%04x" % int(m[0][1:], 8), hidden)
+  data = hidden.replace(b"\xff", b"\\")
+  del hidden
+  try:
+    return codecs.unicode_escape_decode(memoryview(data)[1:-1])[0].encode(
+        "raw_unicode_escape")
+  except UnicodeError as e:
+    raise ValueError(str(e)) from None
+
+
+def _current_unescape(token: str) -> bytes:
+  """`_unescape` as protobuf 5.x and later do it (see `_unescape`)."""
   hidden = token.encode("utf-8").replace(b"\\\\", b"\xff\xff")
   if b"\\x" in hidden:  # `\xf` -> `\x0f`, before `\u` escapes are decoded
     hidden = _fix_escapes(hidden, "hex")

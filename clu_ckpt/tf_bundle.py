@@ -7,9 +7,10 @@ empty key, the `BundleHeaderProto`), and `<prefix>.data-NNNNN-of-MMMMM`
 shards holding the values. This module reads the index with ranged reads
 through `clu_ckpt.storage` (local files and buckets alike), so that the
 variable names, and the bounds and checksums of the fixed-size values, are
-known without importing TensorFlow; values of strings and variants (a
-tf.data iterator's state) carry framing only TensorFlow checks. Block and
-value checksums are verified when `google_crc32c` is installed. An index
+known without importing TensorFlow, and the values checked as TensorFlow's
+reader checks them, strings and variants (a tf.data iterator's state)
+included. Block and value checksums are verified when `google_crc32c` is
+installed. An index
 with compressed blocks raises `NeedsTensorFlow`.
 
 Synopsis::
@@ -76,7 +77,8 @@ def index_entries(prefix: str) -> tuple[int, dict[str, dict[str, int]]]:
     (number of data shards, variable name -> {"shard", "offset", "size",
     "crc32c" (masked, as stored), "dtype" (TensorFlow's DataType number),
     "sliced" (1 for partitioned variables, whose values are in other
-    entries)}).
+    entries), "elements" (the number of elements its shape holds; -1 for
+    an unknown rank)}).
 
   Raises:
     InvalidCheckpointError: The index is not a table TensorFlow wrote
@@ -132,7 +134,8 @@ def index_entries(prefix: str) -> tuple[int, dict[str, dict[str, int]]]:
               "shard": fields.get(3, 0), "offset": fields.get(4, 0),
               "size": fields.get(5, 0), "crc32c": fields.get(6, 0),
               "dtype": fields.get(1, 0),
-              "sliced": int(7 in fields)}
+              "sliced": int(7 in fields),
+              "elements": _elements(value)}
   except (IndexError, UnicodeDecodeError, struct.error) as e:
     raise bad(f"malformed block ({e})") from None
   if not 1 <= shards <= 99999:
@@ -141,14 +144,20 @@ def index_entries(prefix: str) -> tuple[int, dict[str, dict[str, int]]]:
 
 
 def check_data(prefix: str, shards: int,
-               entries: Mapping[str, Mapping[str, int]]) -> None:
+               entries: Mapping[str, Mapping[str, int]]) -> bool:
   """Checks the data shards against the index, without TensorFlow.
 
-  Every value must lie inside its shard (a truncated shard fails), and the
-  values of fixed-size types must match the crc32c the index records (what
-  TensorFlow's reader checks; with `google_crc32c`). Strings and variants
-  (the iterator state) are framed with per-element checksums that only
-  TensorFlow checks. Reads only the small fixed-size values (ranged).
+  Every value must lie inside its shard (a truncated shard fails), and each
+  value must match the crc32c the index records, as TensorFlow's reader
+  checks it (with `google_crc32c`): the bytes of fixed-size types; for
+  strings and variants (a tf.data iterator's state), their framing too
+  (element lengths, per-element checksums, then the bytes; see
+  `_framed_crc`). Reads each value checked (ranged), up to
+  `_CRC_READ_LIMIT` bytes (`_FRAMED_READ_LIMIT` for strings and variants).
+
+  Returns:
+    Whether every value was checked as TensorFlow's reader would check it
+    (False without `google_crc32c`, or with a value over the limits).
 
   Raises:
     InvalidCheckpointError: A value is out of its shard's bounds or its
@@ -156,6 +165,7 @@ def check_data(prefix: str, shards: int,
     OSError: A shard cannot be read (FileNotFoundError when missing).
   """
   crc32c = _crc32c()
+  complete = crc32c is not None
   sizes: dict[int, int] = {}
   for name, entry in entries.items():
     if entry["sliced"]:
@@ -168,19 +178,129 @@ def check_data(prefix: str, shards: int,
       raise errors.InvalidCheckpointError(
           f"{path}: corrupt TensorFlow checkpoint data ({name}): bytes "
           f"{start}..{end} beyond the file's {sizes[entry['shard']]}")
-    if (crc32c is not None and entry["dtype"] not in _FRAMED_DTYPES and
-        entry["size"] <= _CRC_READ_LIMIT):
-      value = storage.filesystem(path).read_bytes(path, start, entry["size"])
-      if _mask(int(crc32c.value(value))) != entry["crc32c"]:
-        raise errors.InvalidCheckpointError(
-            f"{path}: corrupt TensorFlow checkpoint data ({name}): checksum "
-            "mismatch")
+    framed = entry["dtype"] in _FRAMED_DTYPES
+    if crc32c is None:
+      continue
+    if entry["size"] > (_FRAMED_READ_LIMIT if framed else _CRC_READ_LIMIT) or (
+        framed and entry.get("elements", -1) < 0):
+      complete = False
+      continue
+    value = storage.filesystem(path).read_bytes(path, start, entry["size"])
+    try:
+      crc = (_framed_crc(crc32c, value, entry["dtype"], entry["elements"])
+             if framed else int(crc32c.value(value)))
+    except (IndexError, ValueError) as e:
+      raise errors.InvalidCheckpointError(
+          f"{path}: corrupt TensorFlow checkpoint data ({name}): {e}"
+      ) from None
+    if _mask(crc) != entry["crc32c"]:
+      raise errors.InvalidCheckpointError(
+          f"{path}: corrupt TensorFlow checkpoint data ({name}): checksum "
+          "mismatch")
+  return complete
 
 
-# DT_STRING and DT_VARIANT: stored with framing only TensorFlow checks.
-_FRAMED_DTYPES = (7, 21)
+# DT_STRING and DT_VARIANT: stored with framing (lengths, checksums).
+_DT_STRING, _DT_VARIANT = 7, 21
+_FRAMED_DTYPES = (_DT_STRING, _DT_VARIANT)
 # Fixed-size values up to this size are read to check their checksum.
 _CRC_READ_LIMIT = 1 << 20
+# Strings and variants (an iterator's state, read whole by TensorFlow too)
+# up to this size.
+_FRAMED_READ_LIMIT = 1 << 28
+
+
+def _framed_crc(crc32c: Any, data: bytes, dtype: int, elements: int) -> int:
+  """The crc32c TensorFlow's bundle writer computes for a string or variant
+  tensor's bytes (before masking), checking the framing on the way.
+
+  Strings: the lengths (varint64 each), the masked crc32c of the lengths
+  (each hashed as a little-endian uint32, or uint64 above 2**32 - 1), then
+  the bytes of every element. Variants, per element: the length (varint64,
+  hashed as uint64), the serialized `VariantTensorDataProto`, then the
+  masked crc32c of everything hashed so far. The tensor's crc32c covers the
+  hashed lengths, the stored checksums and the bytes, in that order.
+
+  Raises:
+    ValueError: A stored checksum differs or the framing does not fill the
+      value exactly.
+    IndexError: The framing runs past the value.
+  """
+  crc, pos = 0, 0
+  if dtype == _DT_STRING:
+    lengths = []
+    for _ in range(elements):
+      length, pos = _varint(data, pos)
+      lengths.append(length)
+      crc = crc32c.extend(crc, struct.pack(
+          "<I" if length <= 0xffffffff else "<Q", length))
+    stored = data[pos:pos + 4]
+    if len(stored) != 4:
+      raise IndexError("string lengths run past the value")
+    if struct.unpack("<I", stored)[0] != _mask(crc):
+      raise ValueError("checksum of the string lengths mismatch")
+    crc = crc32c.extend(crc, stored)
+    pos += 4
+    end = pos + sum(lengths)
+    if end > len(data):
+      raise IndexError("strings run past the value")
+    crc = crc32c.extend(crc, data[pos:end])
+    pos = end
+  else:
+    for _ in range(elements):
+      length, pos = _varint(data, pos)
+      crc = crc32c.extend(crc, struct.pack("<Q", length))
+      end = pos + length
+      stored = data[end:end + 4]
+      if len(stored) != 4:
+        raise IndexError("variant runs past the value")
+      crc = crc32c.extend(crc, data[pos:end])
+      if struct.unpack("<I", stored)[0] != _mask(crc):
+        raise ValueError("checksum of a variant element mismatch")
+      crc = crc32c.extend(crc, stored)
+      pos = end + 4
+  if pos != len(data):
+    raise ValueError(f"{len(data) - pos} bytes after the last element")
+  return int(crc)
+
+
+def _elements(entry: bytes) -> int:
+  """The element count of a BundleEntryProto's shape (field 2, a
+  TensorShapeProto: dims (field 2, each with size = field 1), unknown_rank
+  (field 3)); -1 for an unknown rank."""
+  shape = _length_delimited(entry).get(2, b"")
+  if _proto_fields(shape).get(3):
+    return -1
+  count = 1
+  for dim in _length_delimited(shape, repeated=2):
+    count *= _proto_fields(dim).get(1, 0)
+  return count
+
+
+def _length_delimited(data: bytes, repeated: int = 0) -> Any:
+  """The length-delimited fields of a protobuf message: {number: bytes} (the
+  last of each), or the list of every field `repeated` when it is given."""
+  fields, found, pos = {}, [], 0
+  while pos < len(data):
+    key, pos = _varint(data, pos)
+    number, wire = key >> 3, key & 7
+    if wire == 0:
+      pos = _varint(data, pos)[1]
+    elif wire == 5:
+      pos += 4
+    elif wire == 1:
+      pos += 8
+    elif wire == 2:
+      length, pos = _varint(data, pos)
+      if pos + length > len(data):
+        raise IndexError("protobuf field beyond the entry")
+      fields[number] = data[pos:pos + length]
+      if number == repeated:
+        found.append(data[pos:pos + length])
+      pos += length
+    else:
+      raise IndexError(f"protobuf wire type {wire}")
+  return found if repeated else fields
 
 
 def _crc32c() -> Any:

@@ -51,8 +51,9 @@ from clu_ckpt import state_file
 from clu_ckpt import storage
 
 # TensorFlow versions whose private CheckpointManager attributes were checked
-# (they have been stable since 1.13).
-CHECKED_TENSORFLOW = ("2.21",)
+# (they have been stable since 1.13): the stacks of the support matrix
+# (noxfile.py; README.md, "Support matrix") that run tests/test_tf_manager.py.
+CHECKED_TENSORFLOW = ("2.16", "2.18", "2.21")
 PRIVATE_ATTRIBUTES = ("_maybe_delete", "_latest_checkpoint",
                       "_last_preserved_timestamp", "_record_state")
 

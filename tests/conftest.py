@@ -26,7 +26,7 @@ Synopsis::
   @pytest.mark.thorough("s3")  # only the s3 variant waits for --thorough
   def test_killed_holder_is_taken_over(bucket_store): ...
 
-`python -m pytest -q tests` is the quick run (two minutes on two cores): it
+`python -m pytest -q tests` is the quick run (its time: docs/FIGURES.md): it
 skips the `soak` tests (each has a quick version in the default run) and the
 `thorough` ones (a real-process race, kill or fleet run whose family keeps a
 representative in the quick run, or the second store of a test both stores
@@ -36,20 +36,35 @@ marked for one store). Both are run before a release (README.md, "Tests").
 """
 
 import json
+from importlib import metadata
 import os
+import re
 import pathlib
 import shutil
 import stat
 import subprocess
 import sys
 import textwrap
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
+
+import emulators
 
 # TensorFlow's C++ start-up chatter drowns pytest's output; set it before any
 # test imports TensorFlow.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+# Nothing but 127.0.0.1, in any test order: the cloud clients' metadata
+# probes are off and etils' paths never choose TensorFlow's gs:// (which
+# resolves www.googleapis.com) for the whole session, before any test imports
+# Orbax. etils decides that once per process, at its first path, so setting
+# it only in the emulator fixtures let a local Orbax test run first in the
+# same process decide for the bucket tests after it.
+NETWORK_GUARD = ("NO_GCE_CHECK", "GCE_METADATA_HOST", "GCE_METADATA_IP",
+                 "GCE_METADATA_ROOT", "AWS_EC2_METADATA_DISABLED",
+                 "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "EPATH_USE_TF")
+os.environ.update({k: emulators.ENV[k] for k in NETWORK_GUARD})
 
 FIXTURES = (pathlib.Path(__file__).resolve().parents[2] / "shared" /
             "fixtures" / "clu-0.0.12")
@@ -80,7 +95,45 @@ def pytest_addoption(parser: pytest.Parser) -> None:
       "`-m thorough` to run only them.")
 
 
+# --------------------------------------------------------------------------
+# Orbax: the migration and the Orbax items need orbax-checkpoint >= 0.12.5
+# (which needs jax >= 0.6). On an older stack (the support matrix's old
+# sessions) their tests are skipped with this reason, not failed.
+# --------------------------------------------------------------------------
+
+MIGRATION_ORBAX = (0, 12, 5)
+
+
+def installed_version(package: str) -> Optional[tuple[int, ...]]:
+  """The installed `package`'s version as numbers, None when absent."""
+  try:
+    version = metadata.version(package)
+  except metadata.PackageNotFoundError:
+    return None
+  return tuple(int(n) for n in re.findall(r"\d+", version.split("+")[0])[:3])
+
+
+def orbax_skip_reason() -> Optional[str]:
+  """Why tests that need the migration's Orbax are skipped here, or None."""
+  version = installed_version("orbax-checkpoint")
+  if version is not None and version >= MIGRATION_ORBAX:
+    return None
+  have = ("no orbax-checkpoint" if version is None else
+          f"orbax-checkpoint {metadata.version('orbax-checkpoint')}")
+  return (f"migration needs orbax-checkpoint >= 0.12.5 (with jax >= 0.6); "
+          f"{have} is installed (README.md, \"Support matrix\")")
+
+
+# Test modules that all need that Orbax (they migrate, or write with its
+# API); single tests elsewhere carry the `orbax` mark.
+ORBAX_MODULES = re.compile(r"test_(migration|migrate_runs|orbax_items|"
+                           r"orbax_root)[a-z_]*\.py$")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+  config.addinivalue_line(
+      "markers", "orbax: needs orbax-checkpoint >= 0.12.5 (the migration's); "
+      "skipped on an older Orbax")
   config.addinivalue_line(
       "markers", "soak: a long soak or end-to-end kill test; skipped unless "
       "--soak is given (run before a release)")
@@ -105,7 +158,11 @@ def pytest_collection_modifyitems(config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
   soak = config.getoption("--soak")
   thorough = config.getoption("--thorough")
+  no_orbax = orbax_skip_reason()
   for item in items:
+    if no_orbax and (item.get_closest_marker("orbax") is not None or
+                     ORBAX_MODULES.search(item.fspath.basename)):
+      item.add_marker(pytest.mark.skip(reason=no_orbax))
     if not soak and item.get_closest_marker("soak") is not None:
       item.add_marker(pytest.mark.skip(reason=SOAK_REASON))
     elif not thorough and is_thorough(item):

@@ -20,6 +20,7 @@ def _steps(directory):
     return list(mngr.all_steps())
 
 
+@pytest.mark.orbax  # migrates
 def test_migrate_json_summary(tmp_path, capsys, golden_copy):
   src = golden_copy("single_host")
   code = cli.main(["migrate", str(src), str(tmp_path / "dst"), "--json",
@@ -39,6 +40,7 @@ def test_migrate_json_summary(tmp_path, capsys, golden_copy):
   assert _steps(tmp_path / "dst") == [300, 400, 500]
 
 
+@pytest.mark.orbax  # migrates
 def test_human_summary_and_rerun(tmp_path, capsys, golden_copy):
   src = golden_copy("single_host")
   assert cli.main(["migrate", str(src), str(tmp_path / "dst"),
@@ -53,6 +55,7 @@ def test_human_summary_and_rerun(tmp_path, capsys, golden_copy):
   assert "skipped ckpt-5 -> step 500" in err
 
 
+@pytest.mark.orbax  # migrates
 def test_number_and_step_naming_options(tmp_path, capsys, golden_copy):
   src = golden_copy("single_host")
   code = cli.main(["migrate", str(src), str(tmp_path / "dst"), "--number",
@@ -85,6 +88,43 @@ def test_missing_source_exits_1_with_a_message(tmp_path, capsys):
   assert code == 1
   assert "no CLU checkpoint" in err
   assert json.loads(out)["ok"] is False
+
+
+@pytest.mark.parametrize("version", ["0.11.24", None])
+def test_migrate_with_too_old_orbax_is_one_line_and_writes_nothing(
+    tmp_path, capsys, golden_copy, monkeypatch, version):
+  from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
+  # Only the version number is simulated.
+  monkeypatch.setattr(orbax_target, "installed_orbax_version",
+                      lambda: version)
+  src = golden_copy("single_host")
+  done = _in_process(capsys, "migrate", src, tmp_path / "dst")
+  _assert_one_line_error(done, 1, "orbax-checkpoint >= ",
+                         version or "not installed", "pip install")
+  assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+  assert not (tmp_path / "dst").exists()
+
+
+def test_migrate_of_a_run_with_an_iterator_imports_no_tensorflow(
+    tmp_path, golden_copy):
+  # The iterator's files are copied and checked (checksums, framing) without
+  # TensorFlow, which would cost seconds of every `clu-ckpt migrate`.
+  src = golden_copy("single_host")
+  script = ("import sys\n"
+            "from clu_ckpt import cli\n"
+            "code = cli.main(['migrate', sys.argv[1], sys.argv[2]])\n"
+            "assert code == 0, code\n"
+            "print(sorted(m for m in sys.modules\n"
+            "             if m.split('.')[0] == 'tensorflow'))\n")
+  done = subprocess.run([sys.executable, "-c", script, str(src),
+                         str(tmp_path / "dst")], capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+  with ocp.CheckpointManager(str(tmp_path / "dst"), item_handlers=(
+      migration.item_handlers())) as mngr:
+    restored = mngr.restore(mngr.latest_step())
+  assert "ds_iter" in json.dumps(restored["metadata"]["dataset"])
 
 
 def test_usage_errors_exit_2(tmp_path):
@@ -141,7 +181,7 @@ def test_progress_bar_on_a_terminal():
   text = out.getvalue()
   assert "[1/2] ckpt-3 -> step 300" in text
   assert "migrated ckpt-3 -> step 300: 4.0 MiB in" in text
-  assert "MiB/8.00M" in text or "/8.00M" in text, text
+  assert "of 8.0 MiB" in text, text
 
 
 def test_progress_lines_off_a_terminal():
@@ -549,3 +589,44 @@ def test_ctrl_c_during_verify_is_one_line(tmp_path):
   assert proc.returncode == 130, proc.stdout + proc.stderr
   assert proc.stderr.strip().splitlines() == [
       f"clu-ckpt verify: interrupted: {src} not finished"], proc.stderr
+
+
+def test_verify_with_the_wrong_source_names_the_recorded_one(
+    tmp_path, capsys, golden_copy):
+  src = golden_copy("single_host")
+  assert cli.main(["migrate", str(src), str(tmp_path / "dst")]) == 0
+  other = tmp_path / "other"
+  other.mkdir()
+  capsys.readouterr()
+  done = _in_process(capsys, "verify", tmp_path / "dst", "--source", other)
+  assert done.returncode == 1
+  first = done.stdout.splitlines()[0]
+  assert first.startswith(f"PROBLEM: {other}: not the source"), done.stdout
+  assert f"--source {src}" in first
+  # The right source: no such line, and it verifies.
+  done = _in_process(capsys, "verify", tmp_path / "dst", "--source", src)
+  assert done.returncode == 0, done.stdout
+  assert "not the source" not in done.stdout
+
+
+def test_inspect_a_missing_step_of_a_migrated_root_hints_at_the_mapping(
+    tmp_path, capsys, golden_copy):
+  src = golden_copy("single_host")
+  assert cli.main(["migrate", str(src), str(tmp_path / "dst"), "--json"]) == 0
+  mapping = {s["number"]: s["step"] for s in json.loads(
+      capsys.readouterr().out)["steps"]}
+  number = max(mapping)
+  assert number not in mapping.values()
+  done = _in_process(capsys, "inspect", tmp_path / "dst", "--checkpoint",
+                     number)
+  _assert_one_line_error(done, 1, f"No step {number}",
+                         f"migrated to step {mapping[number]}",
+                         f"--checkpoint {mapping[number]}")
+  missing = 10**9 + 7
+  done = _in_process(capsys, "inspect", tmp_path / "dst", "--checkpoint",
+                     missing)
+  _assert_one_line_error(done, 1, f"No step {missing}", "not a CLU "
+                         "checkpoint number", *[f"-> {s}" for s in
+                                                mapping.values()])
+  assert _in_process(capsys, "inspect", tmp_path / "dst", "--checkpoint",
+                     mapping[number]).returncode == 0

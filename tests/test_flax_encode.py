@@ -230,7 +230,10 @@ def test_saving_a_plain_dict_does_not_import_flax(tmp_path):
       import sys
       import numpy as np
       from clu_ckpt import flax_format
-      state = {{"w": np.arange(300, dtype=np.float32), "n": [1, 2]}}
+      from clu_ckpt import flax_encode
+      state = {{"w": np.arange(300, dtype=np.float32), "n": [1, 2],
+                "z": 1 + 2j}}
+      print("version:", flax_encode.installed_flax_version())
       data = flax_format.save(state)
       flax_format.save_file(state, {str(tmp_path / "x.flax")!r})
       assert flax_format.chunk_bytes() == 2**30
@@ -246,3 +249,85 @@ def test_saving_a_plain_dict_does_not_import_flax(tmp_path):
                           check=False)
   assert result.returncode == 0, result.stderr
   assert "flax modules: []" in result.stdout
+  assert f"version: {_flax_version()}" in result.stdout
+
+
+# --------------------------------------------------------------------------
+# Leaves whose bytes depend on the Flax version (flax 0.8.x against 0.9.0+).
+# --------------------------------------------------------------------------
+
+_OLD_STACK = (Path(__file__).resolve().parents[2] / "shared" / "fixtures" /
+              "old-stacks" / "tf2.16-flax0.8.5")
+
+
+def _flax_version() -> tuple[int, ...]:
+  # Asked of Flax itself (the module reads the package metadata instead).
+  return tuple(int(n) for n in flax.__version__.split(".")[:3])
+
+
+def _ext_codes(data: bytes) -> list[int]:
+  codes = []
+  msgpack.unpackb(data, ext_hook=lambda c, p: codes.append(c) or None,
+                  strict_map_key=False)
+  return codes
+
+
+def test_installed_flax_version_is_read_without_importing_it():
+  assert flax_encode.installed_flax_version() == _flax_version()
+  assert flax_encode.legacy_flax_leaves() == (_flax_version() < (0, 9, 0))
+
+
+@pytest.mark.parametrize("value", [1 + 2j, complex(float("nan"), -0.0), -1j])
+def test_python_complex_is_written_as_the_installed_flax_writes_it(value):
+  for state in ({"z": value}, {"l": [value, 2.5, "s"]}, value):
+    data = flax_format.save(state)
+    assert data == serialization.to_bytes(state)
+  # Flax 0.8.x: a numpy complex128 scalar (ext 3); 0.9.0 on: ext 2.
+  assert _ext_codes(flax_format.save({"z": value})) == (
+      [3] if _flax_version() < (0, 9, 0) else [2])
+
+
+@pytest.mark.parametrize("value", [2**64, -2**63 - 1, 10**30])
+def test_out_of_range_ints_are_refused_as_the_installed_flax_refuses(
+    value, tmp_path):
+  state = {"a": np.ones(3), "i": [value]}
+  with pytest.raises((ValueError, OverflowError)) as flax_raised:
+    serialization.to_bytes(state)
+  # ValueError on Flax 0.8.x, OverflowError from 0.9.0.
+  expected = type(flax_raised.value)
+  assert expected is (ValueError if _flax_version() < (0, 9, 0) else
+                      OverflowError)
+  with pytest.raises(expected):
+    flax_format.save(state)
+  with pytest.raises(expected):
+    flax_format.save_file(state, str(tmp_path / "x.flax"))
+  assert not os.listdir(tmp_path)
+
+
+def _with_python_complex(tree: Any) -> Any:
+  if isinstance(tree, dict):
+    return {k: _with_python_complex(v) for k, v in tree.items()}
+  if isinstance(tree, np.complex128):
+    return complex(tree)
+  return tree
+
+
+@pytest.mark.parametrize("name", ["ckpt-2", "ckpt-3"])
+def test_flax_0_8_5_files_are_rewritten_byte_for_byte(name, monkeypatch):
+  # A file written by flax 0.8.5 (its state holds a Python complex) is what
+  # clu_ckpt writes for that state under Flax 0.8.x rules, on any stack.
+  path = _OLD_STACK / "single_host" / f"{name}.flax"
+  if not path.is_file():
+    pytest.skip(f"old-stack fixture {path} is not available")
+  written_by_flax_0_8_5 = path.read_bytes()
+  state = _with_python_complex(flax_format.load(written_by_flax_0_8_5))
+  assert type(state["opt_state"]["1"]["phase"]) is complex
+  monkeypatch.setattr(flax_encode, "installed_flax_version", lambda: (0, 8, 5))
+  assert flax_format.save(state) == written_by_flax_0_8_5
+  monkeypatch.setattr(flax_encode, "installed_flax_version", lambda: None)
+  native = flax_format.save(state)  # no Flax: the current (native) form
+  assert native != written_by_flax_0_8_5
+  assert flax_format.load(native)["opt_state"]["1"]["phase"] == complex(1, -2)
+  monkeypatch.setattr(flax_encode, "installed_flax_version",
+                      lambda: (0, 9, 0))
+  assert flax_format.save(state) == native

@@ -195,6 +195,22 @@ _FUZZ_SETTINGS = settings(max_examples=300, deadline=5000,
 # --------------------------------------------------------------------------
 
 
+def _flax_error(state: Any) -> Optional[type]:
+  """The type of what the installed Flax raises serializing `state`, or None."""
+  try:
+    serialization.to_bytes(state)
+  except Exception as e:  # pylint: disable=broad-except
+    return type(e)
+  return None
+
+
+# What the installed Flax stores a Python complex as (and reads it back as):
+# a numpy complex128 scalar before Flax 0.9.0, `complex` since.
+_FLAX_COMPLEX = type(serialization.msgpack_restore(serialization.to_bytes(1j)))
+# What it raises for an int msgpack cannot hold: ValueError before 0.9.0.
+_FLAX_INT_ERROR = _flax_error({"i": 2**64})
+
+
 def _expected(state: Any) -> Any:
   """The state dict Flax stores for `state`, derived from the input alone."""
   kind = type(state)
@@ -208,6 +224,8 @@ def _expected(state: Any) -> Any:
     return {"a": _expected(state.a), "b": _expected(state.b)}
   if isinstance(state, jax.Array):
     return np.asarray(state)
+  if type(state) is complex:
+    return _FLAX_COMPLEX(state)
   return state
 
 
@@ -477,6 +495,12 @@ def _rich_state() -> dict:
 @_ZOO_SETTINGS
 @given(state=_ZOO)
 def test_writer_matches_flax_to_bytes_over_zoo(state, workdir):
+  refused = _flax_error(state)
+  if refused is not None:
+    # E.g. Flax before 0.10.7 asserts that a FrozenDict's keys are strings.
+    with pytest.raises(refused):
+      flax_format.save(state)
+    return
   want = serialization.to_bytes(state)
   assert flax_format.save(state) == want
   directory = workdir / "writer"
@@ -581,14 +605,15 @@ def test_writer_lengths_at_msgpack_header_boundaries():
   assert checked == len(sizes) * 3
 
 
-def test_writer_out_of_range_ints_raise_overflow_like_flax(tmp_path):
+def test_writer_out_of_range_ints_raise_like_the_installed_flax(tmp_path):
+  # OverflowError from Flax 0.9.0 on, ValueError before (test_flax_encode).
   for value in (2**64, -2**63 - 1, 10**30):
     state = {"a": np.ones(3), "i": value}
-    with pytest.raises(OverflowError):
+    with pytest.raises((OverflowError, ValueError)) as raised:
       serialization.to_bytes(state)
-    with pytest.raises(OverflowError):
+    with pytest.raises(type(raised.value)):
       flax_format.save(state)
-    with pytest.raises(OverflowError):
+    with pytest.raises(type(raised.value)):
       flax_format.save_file(state, str(tmp_path / "x.flax"))
     assert os.listdir(tmp_path) == []
 
@@ -659,6 +684,8 @@ def test_chunked_arrays_with_a_small_chunk_size(state, data, workdir):
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(serialization, "MAX_CHUNK_SIZE", _SMALL_CHUNK)
     patch.setattr(flax_format, "CHUNK_BYTES", _SMALL_CHUNK)
+    if _flax_error(state) is not None:  # see test_writer_matches_flax_to_...
+      return
     want = serialization.to_bytes(state)
     assert flax_format.save(state) == want
     path = workdir / "chunked.flax"
@@ -740,6 +767,8 @@ def test_chunked_array_over_one_gib(tmp_path):
 @_ZOO_SETTINGS
 @given(state=_ZOO, data=st.data())
 def test_reader_matches_flax_msgpack_restore_over_zoo(state, data, workdir):
+  if _flax_error(state) is not None:  # see test_writer_matches_flax_to_...
+    return
   encoded = serialization.to_bytes(state)
   got = flax_format.load(encoded)
   _assert_same_as_flax(got, encoded)
@@ -902,7 +931,8 @@ def test_inspect_file_fixed_state(tmp_path):
   assert [by_path[p].kind for p in ("/opt/lr", "/opt/name", "/opt/none",
                                     "/step", "/flags/0", "/blob", "/z")] == [
                                         "float", "str", "none", "int", "bool",
-                                        "bytes", "complex"]
+                                        "bytes", "complex" if _FLAX_COMPLEX is
+                                        complex else "npscalar"]
   _check_inspect(path, flax_format.load_file(str(path)))
 
 
@@ -1236,6 +1266,11 @@ def test_malformed_ndarray_payloads_are_rejected(name, code, tmp_path):
                          ids=[repr(n)[:30] for n, _, _ in _BAD_DTYPE_NAMES])
 def test_object_and_garbage_dtype_names_are_rejected(name, shape, size, code,
                                                      tmp_path):
+  if name == "int0" and np.__version__ < "2":
+    # numpy 1.x still names intp `int0`: read as Flax reads it there.
+    data = _raw_ndarray(shape, name, b"\x01" * size, code)
+    _assert_same(flax_format.load(data), serialization.msgpack_restore(data))
+    return
   _assert_rejected(_raw_ndarray(shape, name, b"\x01" * size, code), tmp_path)
 
 
@@ -1826,7 +1861,7 @@ class _Opaque:
 
 
 @pytest.mark.parametrize("bad,error", [
-    (_Opaque(), TypeError), (2**64, OverflowError),
+    (_Opaque(), TypeError), (2**64, _FLAX_INT_ERROR),
     (np.array([None], dtype=object), ValueError)], ids=["type", "int", "obj"])
 def test_failed_save_leaves_destination_untouched(bad, error, tmp_path):
   path = tmp_path / "ckpt.flax"

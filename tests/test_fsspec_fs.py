@@ -148,7 +148,7 @@ def test_missing_package_names_the_extra(tmp_path):
   """)
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
                        text=True, timeout=60, check=True).stdout
-  assert "pip install clu_ckpt[gcs]" in out and "gs://" in out
+  assert "pip install gcsfs" in out and ".[gcs]" in out and "gs://" in out
 
 
 def test_refused_credentials_are_named(s3):

@@ -201,6 +201,7 @@ def test_inspect_of_a_damaged_chosen_checkpoint_has_no_tree(tmp_path):
   assert report["problems"] and "ckpt-4.flax" in report["problems"][0]
 
 
+@pytest.mark.orbax  # migrates
 def test_verify_a_migrated_root_against_every_host(tmp_path):
   from migration_helpers import example_state, multihost_save
   from clu_ckpt import migration

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import pytest
 
+from clu_ckpt import fsspec_fs
 from clu_ckpt import orbax_root
 from clu_ckpt.migration import codec
 from clu_ckpt.migration import orbax_target
@@ -93,6 +94,10 @@ def check_restores(root, hosts, *, expect_dataset=True):
     The steps.
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  # etils picks TensorFlow's gs:// once per process, at the first gs:// path;
+  # an earlier test in this process may have made one before the emulator's
+  # `EPATH_USE_TF=false`: choose again under it, as a fresh process would.
+  fsspec_fs.configure_environment()
   with ocp.CheckpointManager(str(root)) as mngr:
     steps = mngr.all_steps()
     assert steps

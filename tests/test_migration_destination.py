@@ -278,6 +278,16 @@ def test_lease_length_comes_from_the_environment(monkeypatch):
 
 
 def test_local_roots_are_never_lost(tmp_path):
-  with destination.lock(str(tmp_path)):
-    destination.ensure_held(str(tmp_path))
-  destination.ensure_held(str(tmp_path))   # not held at all: nothing to lose
+  root = str(tmp_path)
+  with destination.lock(root):
+    # The flock is the lock: another holder's record written into the file
+    # (what takes a lease over on a bucket) does not make it lost here.
+    (tmp_path / ".clu_ckpt.lock").write_text(json.dumps(
+        dict(host="elsewhere", pid=1, token="not-ours")))
+    assert destination.ensure_held(root) is None
+    with pytest.raises(errors.DestinationLockedError):
+      with destination.lock(root):
+        pass
+  assert destination.ensure_held(root) is None  # not held: nothing to lose
+  with destination.lock(root):  # released on leaving the block
+    assert destination.ensure_held(root) is None

@@ -406,15 +406,47 @@ def test_store_without_exclusive_create_warns_and_does_not_lock(monkeypatch):
 # --------------------------------------------------------------------------
 
 
+# Each contender imports everything, then waits for `go`; the one that takes
+# the lock keeps it until `release` exists, so the other certainly meets a
+# held lock (without this, the second could start after the first ended).
+_CONTENDER = """
+import contextlib, os, sys, time
+from clu_ckpt import cli
+from clu_ckpt.migration import destination
+go, release = sys.argv[1], sys.argv[2]
+real_lock = destination.lock
+
+@contextlib.contextmanager
+def lock(root, *args, **kwargs):
+  with real_lock(root, *args, **kwargs) as holder:
+    while not os.path.exists(release):
+      time.sleep(0.02)
+    yield holder
+
+destination.lock = lock
+while not os.path.exists(go):
+  time.sleep(0.01)
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
 @pytest.mark.thorough
-def test_two_cli_migrations_into_one_bucket(gcs, golden_copy):
+def test_two_cli_migrations_into_one_bucket(gcs, golden_copy, tmp_path):
   src = gcs.upload(golden_copy("flax_only"), "run")
   dst = src.rsplit("/", 1)[0] + "/orbax"
   env = gcs.child_env(**{destination.LEASE_ENV: "3"})
+  go, release = tmp_path / "go", tmp_path / "release"
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "clu_ckpt", "migrate", src, dst],
+      [sys.executable, "-c", _CONTENDER, str(go), str(release), "migrate",
+       src, dst],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
            for _ in range(2)]
+  go.touch()
+  deadline = time.monotonic() + 300
+  while all(p.poll() is None for p in procs):  # the loser is refused
+    assert time.monotonic() < deadline, "neither contender was refused"
+    time.sleep(0.05)
+  release.touch()
   outcomes = []
   for p in procs:
     out, err = p.communicate(timeout=300)

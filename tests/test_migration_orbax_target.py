@@ -106,6 +106,76 @@ def test_missing_private_api_raises_a_clear_error(monkeypatch, tmp_path):
   assert orbax_target.list_steps(str(tmp_path / "dst")) == ([], [])
 
 
+# --------------------------------------------------------------------------
+# The orbax-checkpoint the migration needs.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.12.5", "0.12.8", "0.13.0", "1.0"])
+def test_orbax_versions_the_migration_writes_with(version):
+  orbax_target.check_orbax_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.12.4", "0.11.24", "0.11.40", "0.6.4",
+                                     None, "unknown"])
+def test_too_old_or_missing_orbax_is_one_line_naming_versions_and_remedy(
+    version):
+  with pytest.raises(errors.MigrationError) as e:
+    orbax_target.check_orbax_version(version)
+  message = str(e.value)
+  assert "\n" not in message
+  assert f">= {orbax_target.MIN_ORBAX_VERSION}" in message
+  assert (f"is {version}" if version else "not installed") in message
+  assert "python -m venv" in message and "[orbax]" in message
+  assert "nothing was written" in message
+
+
+def test_the_installed_orbax_passes_and_is_read_without_importing_it():
+  script = ("import sys\n"
+            "from clu_ckpt.migration import orbax_target\n"
+            "orbax_target.require_orbax()\n"
+            "print(orbax_target.installed_orbax_version())\n"
+            "assert 'orbax.checkpoint' not in sys.modules\n")
+  done = subprocess.run([sys.executable, "-c", script], check=True,
+                        capture_output=True, text=True)
+  assert done.stdout.strip() == metadata.version("orbax-checkpoint")
+
+
+def test_the_minimum_is_where_orbax_takes_deepcopy_host_arrays():
+  # What the bounded handler passes exists in the installed Orbax (checked by
+  # `check_private_api`), which is at least the minimum.
+  assert "deepcopy_host_arrays" in inspect.signature(
+      ocp.type_handlers.NumpyHandler.__init__).parameters
+
+  class Old(ocp.type_handlers.NumpyHandler):
+    def __init__(self, metadata_key=None):  # pylint: disable=super-init-not-called
+      pass
+  with pytest.raises(errors.PrivateApiError, match="deepcopy_host_arrays"):
+    orbax_target.check_private_api(Old)
+
+
+@pytest.mark.parametrize("version", ["0.11.24", None])
+def test_migrate_with_too_old_orbax_stops_before_writing_anything(
+    tmp_path, monkeypatch, version):
+  src = tmp_path / "src"
+  ckpt = clu_checkpoint.Checkpoint(str(src))
+  for step in (1, 2):
+    ckpt.save(_state(step))
+  # Only the version number is simulated; Orbax itself is the real one.
+  monkeypatch.setattr(orbax_target, "installed_orbax_version",
+                      lambda: version)
+  for dry_run in (False, True):
+    with pytest.raises(errors.MigrationError, match="orbax-checkpoint >= "):
+      migration.migrate(str(src), str(tmp_path / "dst"), dry_run=dry_run)
+  assert not (tmp_path / "dst").exists()
+  # A target used directly refuses too, before writing.
+  target = orbax_target.OrbaxTarget(str(tmp_path / "dst"))
+  with pytest.raises(errors.MigrationError):
+    target.write_step(1, {"state": {"a": np.ones(2)}, "metadata": {}},
+                      lambda n: None)
+  assert not (tmp_path / "dst").exists()
+
+
 def test_private_api_with_another_signature_is_refused():
   class Changed:
     async def _background_serialize(self, values, infos):  # pylint: disable=unused-argument
@@ -425,3 +495,83 @@ def test_relative_and_file_url_roots(tmp_path, monkeypatch):
       "clu_checkpoint": "ckpt-1"}
   with _manager(tmp_path / "runs" / "url") as mngr:
     assert mngr.all_steps() == [2]
+
+
+# --------------------------------------------------------------------------
+# A stock CheckpointManager restoring a migrated root.
+# --------------------------------------------------------------------------
+
+_NO_HANDLER_WARNING = "could not be restored"
+
+
+def _migrated_root(tmp_path):
+  """A root migrated from a real clu run with an iterator: three items."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  it = iter(tf.data.Dataset.range(100).batch(4))
+  next(it)
+  src = tmp_path / "src"
+  ckpt = clu_checkpoint.Checkpoint(str(src), {"ds": it})
+  states = [_state(10), _state(20, scale=2.0)]
+  for state in states:
+    ckpt.save(state)
+  assert migration.migrate(str(src), str(tmp_path / "dst")).ok
+  return tmp_path / "dst", states
+
+
+def _orbax_warnings(caplog):
+  return [r.getMessage() for r in caplog.records
+          if _NO_HANDLER_WARNING in r.getMessage()]
+
+
+def test_item_handlers_make_a_plain_restore_silent_and_exact(tmp_path,
+                                                             caplog):
+  root, states = _migrated_root(tmp_path)
+  caplog.set_level("INFO")
+  with ocp.CheckpointManager(
+      root, item_handlers=migration.item_handlers()) as mngr:
+    restored = mngr.restore(20)
+  assert _orbax_warnings(caplog) == []
+  assert sorted(restored.keys()) == ["dataset", "metadata", "state"]
+  meta = restored["metadata"]
+  state = migration.decode_state(restored["state"], meta["encoded"],
+                                 [leaf["path"] for leaf in meta["leaves"]])
+  expected = states[1]
+  assert state["step"] == expected["step"]
+  assert state["params"]["w"].dtype == np.float32
+  assert state["params"]["w"].tobytes() == expected["params"]["w"].tobytes()
+  assert state["opt"] == expected["opt"]
+  assert restored["dataset"]["process_0"]["index"].dtype == np.uint8
+  # The guard of the assertion above: without them, this Orbax warns.
+  caplog.clear()
+  with ocp.CheckpointManager(root) as mngr:
+    plain = mngr.restore(20)
+  assert len(_orbax_warnings(caplog)) == 6
+  assert plain["state"]["params"]["w"].tobytes() == (
+      restored["state"]["params"]["w"].tobytes())
+
+
+def test_steps_record_item_handlers_exactly_as_orbax_records_its_own(
+    tmp_path, caplog):
+  # A plain `CheckpointManager(root).restore(step)` picks each item's handler
+  # from what the step records; Orbax's own steps with the same items record
+  # the same, and a plain restore of them warns the same.
+  root, _ = _migrated_root(tmp_path)
+  own = tmp_path / "own"
+  with ocp.CheckpointManager(own) as mngr:
+    mngr.save(20, args=ocp.args.Composite(
+        state=ocp.args.PyTreeSave({"a": np.arange(3)}),
+        dataset=ocp.args.PyTreeSave({"b": np.arange(2)}),
+        metadata=ocp.args.JsonSave({"c": 1})))
+  def recorded(r):
+    return json.loads((r / "20" / "_CHECKPOINT_METADATA").read_text())[
+        "item_handlers"]
+  assert recorded(root) == recorded(own)
+  caplog.set_level("INFO")
+  counts = []
+  for r in (root, own):
+    caplog.clear()
+    with ocp.CheckpointManager(r) as mngr:
+      assert sorted(mngr.restore(20).keys()) == [
+          "dataset", "metadata", "state"]
+    counts.append(len(_orbax_warnings(caplog)))
+  assert counts[0] == counts[1]

@@ -1,12 +1,22 @@
 """Tests for clu_ckpt.migration.verify: a step against its source, hosts
 against each other, as `migrate` uses them."""
 
+import shutil
+import struct
+
+from clu import checkpoint as clu_checkpoint
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
+from clu_ckpt import errors
 from clu_ckpt import flax_format
 from clu_ckpt import migration
+from clu_ckpt.migration import orbax_target
+from clu_ckpt.migration import plan
+from clu_ckpt.migration import verify
 from migration_helpers import clu_save
+from migration_helpers import dataset_iterator
 from migration_helpers import example_state
 from migration_helpers import multihost_save
 from migration_helpers import orbax_restore
@@ -46,3 +56,122 @@ def test_verify_catches_a_difference(tmp_path):
                               verify=True)
   assert summary.steps[0].status == "failed"
   assert "/params/w differs" in summary.steps[0].error
+
+
+# --------------------------------------------------------------------------
+# verify never says OK wrongly: each case changes the source after a
+# migration and `verify_step` must name the difference (bit-exact floats,
+# the dataset item, extra leaves).
+# --------------------------------------------------------------------------
+
+_QUIET_NAN = np.float32(np.nan).view(np.uint32)
+
+
+def _special_state(step):
+  return {
+      "step": np.int64(step),
+      "params": {"w": np.array([0.0, 1.0, np.nan], np.float32)},
+      "lr": 0.0,
+      "decay": float("nan"),
+  }
+
+
+@pytest.fixture(scope="module")
+def migrated_special(tmp_path_factory):
+  """A two-checkpoint source (iterator advanced between) and its migration."""
+  top = tmp_path_factory.mktemp("special")
+  it = dataset_iterator()
+  ckpt = clu_checkpoint.Checkpoint(str(top / "src"), dict(ds=it))
+  ckpt.save(_special_state(1))
+  next(it)
+  ckpt.save(_special_state(2))
+  summary = migration.migrate(str(top / "src"), str(top / "dst"), verify=True)
+  assert summary.ok, summary
+  return top
+
+
+def _copy_migrated(top, tmp_path):
+  shutil.copytree(top / "src", tmp_path / "src")
+  shutil.copytree(top / "dst", tmp_path / "dst")
+  source = plan.discover(str(tmp_path / "src"))
+  (first, second) = source.checkpoints
+  steps = orbax_target.OrbaxTarget(str(tmp_path / "dst")).steps()
+  return first, second, sorted(steps)
+
+
+def _rewrite_source(tmp_path, change):
+  path = str(tmp_path / "src" / "ckpt-1.flax")
+  state = flax_format.load_file(path, writable=True)
+  change(state)
+  flax_format.save_file(state, path)
+
+
+def _nan_with_payload(payload):
+  return np.uint32(_QUIET_NAN | payload).view(np.float32)
+
+
+def test_verify_step_passes_an_unchanged_source(migrated_special, tmp_path):
+  first, second, steps = _copy_migrated(migrated_special, tmp_path)
+  verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+  verify.verify_step(str(tmp_path / "dst"), steps[1], second, host=0)
+
+
+@pytest.mark.parametrize("case", [
+    "negative_zero_array", "nan_payload_array", "negative_zero_float",
+    "nan_payload_float"])
+def test_verify_step_compares_float_bits(migrated_special, tmp_path, case):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+
+  def change(state):
+    w = state["params"]["w"]
+    if case == "negative_zero_array":
+      w[0] = np.float32(-0.0)
+    elif case == "nan_payload_array":
+      w[2] = _nan_with_payload(1)
+    elif case == "negative_zero_float":
+      state["lr"] = -0.0
+    else:
+      state["decay"] = struct.unpack(
+          "<d", struct.pack("<Q", 0x7FF8000000000001))[0]
+
+  _rewrite_source(tmp_path, change)
+  leaf = "/params/w" if case.endswith("array") else (
+      "/lr" if "zero" in case else "/decay")
+  with pytest.raises(errors.VerificationError, match=f"{leaf} differs"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+
+
+def test_verify_step_compares_the_dataset(migrated_special, tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  # Checkpoint 1's TensorFlow files replaced by checkpoint 2's: the
+  # iterator one element further on.
+  src = tmp_path / "src"
+  for suffix in (".index", ".data-00000-of-00001"):
+    shutil.copyfile(src / f"ckpt-2{suffix}", src / f"ckpt-1{suffix}")
+  with pytest.raises(errors.VerificationError, match="dataset/process_0 "
+                     "differs"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+
+
+def test_verify_step_notices_extra_leaves_in_the_step(migrated_special,
+                                                      tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  _rewrite_source(tmp_path, lambda state: state.pop("decay"))
+  with pytest.raises(errors.VerificationError, match="extra leaves"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+
+
+def test_same_leaf_is_bit_exact():
+  assert verify.same_leaf(np.float32(0.0), np.float32(0.0))
+  assert not verify.same_leaf(np.float32(0.0), np.float32(-0.0))
+  assert not verify.same_leaf(0.0, -0.0)
+  assert not verify.same_leaf(np.array([np.nan], np.float32),
+                              np.array([_nan_with_payload(1)], np.float32))
+  assert verify.same_leaf(np.array([np.nan]), np.array([np.nan]))
+  assert not verify.same_leaf(np.float32(1), np.float64(1))
+  assert not verify.same_leaf(np.zeros((2, 1)), np.zeros((1, 2)))
+  assert not verify.same_leaf(1, 1.0)
+  assert not verify.same_leaf(complex(0.0, 0.0), complex(0.0, -0.0))
+  assert not verify.same_leaf([0.0], [-0.0])
+  assert not verify.same_leaf([0.0], [0.0, 0.0])
+  assert not verify.same_leaf({"a": 1, "b": 2}, {"b": 2, "a": 1})

@@ -13,13 +13,19 @@ instead of hanging).
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 import textwrap
 import time
 from typing import Optional
+from importlib import metadata
+from typing import Any, Callable
+from unittest import mock
 import warnings
 
+from google.protobuf import text_encoding
+from google.protobuf import text_format
 import pytest
 import tensorflow as tf
 from tensorflow.python.checkpoint import checkpoint_management
@@ -53,12 +59,82 @@ def manager(directory: str, name: str = "ckpt",
       max_to_keep=max_to_keep, checkpoint_name=name)
 
 
-def assert_same_as_tf(directory: str) -> Optional[state_file.CheckpointState]:
-  """read_checkpoint_state(directory) equals tf.train.get_checkpoint_state.
+def _parses(parse: Callable[[str], Any], text: str) -> bool:
+  try:
+    parse(text)
+  except ValueError:
+    return False
+  return True
 
-  Where TensorFlow gives None, strict mode must raise CheckpointStateError;
-  where it raises ValueError (no latest checkpoint), so must we; and our
-  parser must not warn (TensorFlow's warns about escapes such as `\\?`).
+
+def installed_rules() -> state_file.TextRules:
+  """The text-format rules of the protobuf installed beside TensorFlow.
+
+  Asked of that protobuf itself, so that each stack of the support matrix
+  compares `state_file` with its own TensorFlow's behaviour.
+  """
+  return state_file.TextRules(
+      leading_zeros=_parses(text_format.ParseFloat, "01"),
+      upper_f=_parses(text_format.ParseFloat, "2F"),
+      escapes=("current" if text_encoding.CUnescape("\\u20ac") ==
+               "\u20ac".encode() else "legacy"))
+
+
+# The rules of the protobuf releases the support matrix ran TensorFlow with
+# (README.md, "Support matrix"); `installed_rules()` is one of them on each
+# stack, and the reader accepts every file any of them accepts.
+MEASURED_RULES = {
+    "protobuf 4.25 (TensorFlow 2.16)": state_file.TextRules(True, False,
+                                                            "legacy"),
+    "protobuf 5.29 (TensorFlow 2.18)": state_file.TextRules(True, False,
+                                                            "current"),
+    "protobuf 7.x (TensorFlow 2.21)": state_file.TextRules(False, True,
+                                                           "current"),
+}
+
+
+def test_installed_protobuf_has_measured_rules():
+  assert installed_rules() in MEASURED_RULES.values(), (
+      f"protobuf {metadata.version('protobuf')} reads the text format by "
+      f"other rules ({installed_rules()}): measure them, add them to "
+      "MEASURED_RULES and make state_file.LENIENT_RULES accept them")
+
+
+def read_with_rules(directory: str, rules: state_file.TextRules,
+                    strict: bool = False) -> Any:
+  """read_checkpoint_state by `rules`; a raised ValueError is returned."""
+  with mock.patch.object(state_file, "LENIENT_RULES", rules):
+    try:
+      return state_file.read_checkpoint_state(directory, strict=strict)
+    except ValueError as e:
+      return e
+
+
+def _same_state(ours: Any, theirs: Any) -> bool:
+  if isinstance(theirs, ValueError) or theirs is None:
+    return type(ours) is type(theirs) or (
+        isinstance(theirs, ValueError) and isinstance(ours, ValueError))
+  # repr: nan equals nan, -0.0 differs from 0.0.
+  return ours is not None and not isinstance(ours, ValueError) and (
+      ours.model_checkpoint_path, ours.all_model_checkpoint_paths,
+      repr(ours.all_model_checkpoint_timestamps),
+      repr(ours.last_preserved_timestamp)) == (
+          theirs.model_checkpoint_path, list(theirs.all_model_checkpoint_paths),
+          repr(list(theirs.all_model_checkpoint_timestamps)),
+          repr(theirs.last_preserved_timestamp))
+
+
+def assert_same_as_tf(directory: str) -> Optional[state_file.CheckpointState]:
+  """read_checkpoint_state(directory) reads at least what TensorFlow reads.
+
+  By the installed protobuf's own rules (`installed_rules()`), it equals
+  tf.train.get_checkpoint_state exactly: where TensorFlow gives None, strict
+  mode must raise CheckpointStateError; where it raises ValueError (no latest
+  checkpoint), so must we. With the default (lenient) rules, everything this
+  TensorFlow reads is read the same (strings whose escapes protobuf 4.x reads
+  otherwise excepted: those get protobuf 5's meaning), and whatever another
+  measured release reads is read too. Our parser must not warn
+  (TensorFlow's warns about escapes such as `\\?`).
   """
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -66,6 +142,29 @@ def assert_same_as_tf(directory: str) -> Optional[state_file.CheckpointState]:
       theirs = tf.train.get_checkpoint_state(directory)
     except ValueError as e:
       theirs = e
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    rules = installed_rules()
+    exact = read_with_rules(directory, rules)
+    assert _same_state(exact, theirs), (rules, exact, theirs)
+    others = {name: read_with_rules(directory, r)
+              for name, r in MEASURED_RULES.items()}
+    ours = read_with_rules(directory, state_file.LENIENT_RULES)
+    for name, other in others.items():
+      if other is not None and not isinstance(other, ValueError):
+        assert ours is not None and not isinstance(ours, ValueError), name
+    if theirs is not None and not isinstance(theirs, ValueError):
+      if rules.escapes == "legacy" and not _same_state(ours, theirs):
+        # Only strings with `\u`, `\U` or `\N` escapes mean otherwise.
+        text = pathlib.Path(directory, "checkpoint").read_text()
+        assert re.search(r"\\[uUN]", text), text
+        assert len(ours.all_model_checkpoint_paths) == len(
+            theirs.all_model_checkpoint_paths)
+        assert repr(ours.all_model_checkpoint_timestamps) == repr(list(
+            theirs.all_model_checkpoint_timestamps))
+        return ours
+    elif not _same_state(ours, theirs):
+      return ours  # another TensorFlow reads it (checked above)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     if isinstance(theirs, ValueError):
@@ -260,12 +359,9 @@ def test_hand_written_state_files(tmp_path, text):
     'last_preserved_timestamp: "x"\nmodel_checkpoint_path: "a"',
     "model_checkpoint_path: 12\n",
     'model_checkpoint_path: "\\351"\n',  # octal escape, invalid UTF-8
-    'model_checkpoint_path: "\\400"\n',  # octal escape above 255
     'model_checkpoint_path: "a\\"\n',
     'model_checkpoint_path: "\\u12"\n',
-    'model_checkpoint_path: "\\ud800"\n',
     'model_checkpoint_path: "\\N{NO SUCH NAME}"\n',
-    'model_checkpoint_path: "\\N{EURO SIGN}"\n',  # above U+00FF
     'model_checkpoint_path: "x\nacross lines"\n',
     "model_checkpoint_path: 'x\"\n",
     'model_checkpoint_path: "x";;\n',
@@ -276,7 +372,6 @@ def test_hand_written_state_files(tmp_path, text):
     'all_model_checkpoint_paths: ["a" "b"\nmodel_checkpoint_path: "x"\n',
     'Model_Checkpoint_Path: "x"\n',
     '\ufeffmodel_checkpoint_path: "x"\n',  # a byte order mark
-    'model_checkpoint_path: "x"\nlast_preserved_timestamp: 01\n',
     'model_checkpoint_path: "x"\nlast_preserved_timestamp: 0x10\n',
     'model_checkpoint_path: "x"\nlast_preserved_timestamp: 1.5.2\n',
     'model_checkpoint_path: "x"\nlast_preserved_timestamp:\n',
@@ -291,6 +386,39 @@ def test_garbled_state_file_is_none(tmp_path, text):
   with pytest.raises(storage.CheckpointStateError,
                      match=r"checkpoint: cannot parse: line \d+, column \d+"):
     state_file.read_checkpoint_state(str(tmp_path), strict=True)
+
+
+@pytest.mark.parametrize("text", [
+    # protobuf 4.25 and 5.29 (TensorFlow 2.16, 2.18) read leading zeros.
+    'model_checkpoint_path: "x"\nlast_preserved_timestamp: 01\n',
+    'model_checkpoint_path: "x"\nall_model_checkpoint_timestamps: [-007.5, 1]\n',
+    # protobuf 7 (TensorFlow 2.21) reads an upper-case F suffix.
+    'model_checkpoint_path: "x"\nlast_preserved_timestamp: 2F\n',
+    # protobuf 4.25 keeps escapes above U+00FF as text (`\u0100`).
+    'model_checkpoint_path: "\\400"\n',
+    'model_checkpoint_path: "\\ud800"\n',
+    'model_checkpoint_path: "\\N{EURO SIGN}"\n',
+])
+def test_files_some_supported_tensorflow_reads_are_read(tmp_path, text):
+  write_state(tmp_path, text)
+  state = assert_same_as_tf(str(tmp_path))
+  assert state is not None
+  readers = [name for name, rules in MEASURED_RULES.items()
+             if isinstance(read_with_rules(str(tmp_path), rules),
+                           state_file.CheckpointState)]
+  assert readers and len(readers) < len(MEASURED_RULES), readers
+
+
+def test_escapes_read_otherwise_by_protobuf_4_get_the_current_meaning(
+    tmp_path):
+  write_state(tmp_path, 'model_checkpoint_path: "\\u00c3\\u00a9\\u20ac"\n')
+  legacy, current = (read_with_rules(str(tmp_path), MEASURED_RULES[name])
+                     for name in ("protobuf 4.25 (TensorFlow 2.16)",
+                                  "protobuf 5.29 (TensorFlow 2.18)"))
+  assert legacy.model_checkpoint_path == str(tmp_path / "é\\u20ac")
+  assert current.model_checkpoint_path == str(tmp_path / "Ã©€")
+  assert state_file.read_checkpoint_state(str(tmp_path)) == current
+  assert_same_as_tf(str(tmp_path))
 
 
 def test_binary_state_file_is_none(tmp_path):
@@ -594,6 +722,10 @@ def _tf_state_text(directory, latest, paths, stamps, last_preserved):
   return text_format.MessageToString(proto)
 
 
+_UNICODE_PATH = checkpoint_management.generate_checkpoint_state_proto(
+    "/d", "é")
+
+
 @pytest.mark.parametrize("directory", [
     "gs://b/run", "s3://b/r/sub", "/tmp/abs/run", "rel/run"])
 def test_format_checkpoint_state_is_tensorflows(directory):
@@ -609,9 +741,15 @@ def test_format_checkpoint_state_is_tensorflows(directory):
     stamps = [rng.choice([rng.uniform(1e9, 2e9), 1.0, 1e16, 0.5])
               for _ in range(count)] if trial % 4 else []
     last = rng.choice([0.0, 1795254085.0282855, 1e16, float("inf")])
-    assert state_file.format_checkpoint_state(
-        directory, latest, paths, stamps, last) == _tf_state_text(
-            directory, latest, list(paths), stamps, last)
+    ours = state_file.format_checkpoint_state(
+        directory, latest, paths, stamps, last)
+    theirs = _tf_state_text(directory, latest, list(paths), stamps, last)
+    if '"é"' not in text_format.MessageToString(_UNICODE_PATH):
+      # protobuf 4.x (TensorFlow 2.16) escapes non-ASCII bytes in octal,
+      # which every reader reads the same; the rest is byte for byte.
+      ours = "".join(c if c.isascii() else "".join(
+          f"\\{b:03o}" for b in c.encode()) for c in ours)
+    assert ours == theirs
 
 
 def test_format_checkpoint_state_reads_back(tmp_path):

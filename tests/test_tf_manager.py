@@ -20,10 +20,20 @@ def _manager(directory, **kwargs):
 
 
 def test_installed_tensorflow_is_one_the_private_api_was_checked_against():
+  # Each stack of the matrix (noxfile.py) runs this with its own TensorFlow;
+  # test_private_attributes_exist_and_behave checks the attributes there.
   version = ".".join(tf.__version__.split(".")[:2])
   assert version in tf_manager.CHECKED_TENSORFLOW, (
-      f"TensorFlow {tf.__version__}: re-check tf_manager.PRIVATE_ATTRIBUTES "
-      "and add the version to CHECKED_TENSORFLOW")
+      f"TensorFlow {tf.__version__}: run the matrix's session for it "
+      "(noxfile.py), re-check tf_manager.PRIVATE_ATTRIBUTES and add the "
+      "version to CHECKED_TENSORFLOW")
+
+
+def test_checked_tensorflow_names_the_matrix_stacks():
+  noxfile = (REPO / "noxfile.py").read_text()
+  pinned = sorted(set(re.findall(r'"tensorflow-cpu==(\d+\.\d+)\.\d+"',
+                                 noxfile)))
+  assert pinned == sorted(tf_manager.CHECKED_TENSORFLOW)
 
 
 def test_private_attributes_exist_and_behave(tmp_path):

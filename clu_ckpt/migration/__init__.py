@@ -68,6 +68,7 @@ from clu_ckpt.migration.destination import Manifest
 from clu_ckpt.migration.destination import read_manifest
 from clu_ckpt.migration.orbax_target import DATASET_ITEM
 from clu_ckpt.migration.orbax_target import DEFAULT_INFLIGHT_BYTES
+from clu_ckpt.migration.orbax_target import item_handlers
 from clu_ckpt.migration.orbax_target import list_steps
 from clu_ckpt.migration.orbax_target import METADATA_ITEM
 from clu_ckpt.migration.orbax_target import OrbaxTarget
@@ -104,7 +105,8 @@ __all__ = [
     "MigrationError", "MigrationInterrupted", "VerificationError", "lock", "read_manifest", "MigrationSummary", "OrbaxTarget",
     "Progress", "ProgressFn", "REMOTE_INFLIGHT_BYTES", "STATE_ITEM", "STEP_NAMINGS", "Selection",
     "Source", "SourceCheckpoint", "StepResult", "Target", "decode_state",
-    "describe_error", "discover", "encode_state", "list_steps", "migrate",
+    "describe_error", "discover", "encode_state", "item_handlers",
+    "list_steps", "migrate",
     "name_steps", "read_metadata", "restore_state", "same_leaf", "select",
     "state_step", "verify_step",
 ]

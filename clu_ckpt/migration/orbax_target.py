@@ -8,6 +8,12 @@ own handlers, with a bounded numpy handler (a byte budget, a read-ahead of
 memory-mapped arrays and a heap trimmer) so memory stays small whatever the
 checkpoint size.
 
+Writing needs orbax-checkpoint >= `MIN_ORBAX_VERSION`: `require_orbax`
+(called by `migrate` before it reads or writes anything, and by
+`OrbaxTarget.write_step`) raises a one-line `MigrationError` naming the
+installed and the required version and the command that makes a migration
+environment; reading a migrated root works with older Orbax too.
+
 This is the one module that relies on Orbax behaviour outside its public
 API, checked against the versions in `CHECKED_ORBAX_VERSIONS`:
 `NumpyHandler._background_serialize` (`PRIVATE_API`, checked at use time;
@@ -37,8 +43,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import inspect
 import math
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -64,12 +72,20 @@ DEFAULT_INFLIGHT_BYTES = 128 * 2**20
 # quarter of the checkpoint's size from checkpoints of about 1 GB up.
 REMOTE_INFLIGHT_BYTES = 16 * 2**20
 
+# The oldest orbax-checkpoint the migration writes with: its `NumpyHandler`
+# takes `deepcopy_host_arrays` from 0.12.5 on (before, it deep-copies every
+# array: memory grows to the checkpoint's size). Checked once, before a
+# migration reads or writes anything (`require_orbax`).
+MIN_ORBAX_VERSION = "0.12.5"
+# Where the command that makes a migration environment installs it.
+MIGRATION_ENV = "~/clu-ckpt-migrate"
+
 # The private Orbax API the bounded handler overrides, and the
 # orbax-checkpoint versions it was checked against.
 PRIVATE_API = ("orbax.checkpoint.type_handlers.NumpyHandler."
                "_background_serialize")
 PRIVATE_API_PARAMETERS = ("self", "values", "infos", "args")
-CHECKED_ORBAX_VERSIONS = ("0.12.8",)
+CHECKED_ORBAX_VERSIONS = ("0.12.5", "0.12.8")  # the matrix (noxfile.py)
 # The Orbax behaviour a step's commit time is set through (see the module
 # docstring), checked against the same versions.
 COMMIT_TIME_API = ("orbax.checkpoint.metadata.MetadataStore.update("
@@ -218,6 +234,10 @@ class OrbaxTarget(Target):
     step_prefix: As in `CheckpointManagerOptions` (None: no prefix).
     step_format_fixed_length: As in `CheckpointManagerOptions` (None or 0:
       no zero padding).
+    before_commit: Called with the step's temporary directory once all of
+      it is written, just before Orbax renames it into place (through the
+      same `MetadataStore` hook as the commit time, `COMMIT_TIME_API`);
+      `clu_ckpt.orbax_layout` fsyncs the step there. None: nothing.
 
   Raises:
     UsageError: An empty root, an `s3://` root (`check_destination`), or
@@ -227,7 +247,8 @@ class OrbaxTarget(Target):
   def __init__(self, root: str, *, use_compression: bool = True,
                inflight_bytes: Optional[int] = None,
                step_prefix: Optional[str] = None,
-               step_format_fixed_length: Optional[int] = None):
+               step_format_fixed_length: Optional[int] = None,
+               before_commit: Optional[Callable[[str], None]] = None):
     orbax_root.check_step_naming(step_prefix, step_format_fixed_length)
     self.root = layout.absolute(root)
     check_destination(self.root)
@@ -239,6 +260,7 @@ class OrbaxTarget(Target):
                            if inflight_bytes is None else inflight_bytes)
     self.step_prefix = step_prefix
     self.step_format_fixed_length = step_format_fixed_length
+    self.before_commit = before_commit
 
   def step_name(self, step: int) -> str:
     """The name of `step`'s directory under the root."""
@@ -282,10 +304,13 @@ class OrbaxTarget(Target):
     GCS the uncommitted step has the final name.
 
     Raises:
+      MigrationError: orbax-checkpoint is older than `MIN_ORBAX_VERSION`
+        (or missing): nothing is written.
       UsageError: `saved_at` is not a finite non-negative time.
       PrivateApiError: This Orbax did not record the commit time as
         `COMMIT_TIME_API` says (the step is removed again).
     """
+    require_orbax()
     commit_nsecs = _commit_nsecs(saved_at)
     self.remove_partial(step)
     try:
@@ -325,10 +350,10 @@ class OrbaxTarget(Target):
     if DATASET_ITEM in items:
       args[DATASET_ITEM] = ocp.args.PyTreeSave(items[DATASET_ITEM])
     store = None
-    if commit_nsecs is not None:
+    if commit_nsecs is not None or self.before_commit is not None:
       store = _CommitTimeStore(
           ocp.metadata.metadata_store(enable_write=True, blocking_write=True),
-          commit_nsecs)
+          commit_nsecs, self.before_commit)
     checkpointer = ocp.Checkpointer(
         ocp.handlers.CompositeCheckpointHandler(handler_registry=registry),
         checkpoint_metadata_store=store)
@@ -337,8 +362,9 @@ class OrbaxTarget(Target):
                         custom_metadata=custom_metadata)
     finally:
       checkpointer.close()
-    if store is not None and not store.committed:
-      # Listed with the time of writing: not what was asked; undo it.
+    if store is not None and not store.committed and _primary_process():
+      # Listed with the time of writing (or not fsynced): not what was
+      # asked; undo it. (Only the primary process commits.)
       storage.remove_tree(storage.join(self.root, self.step_name(step)))
       raise errors.PrivateApiError(
           f"clu_ckpt sets a migrated step's save time through Orbax's "
@@ -418,6 +444,41 @@ class OrbaxTarget(Target):
         item, args=ocp.args.PyTreeRestore())
 
 
+def item_handlers(*, standard_state: bool = False) -> dict[str, Any]:
+  """The item handlers that make a stock `CheckpointManager` quiet.
+
+  A `CheckpointManager` made without them restores a migrated step with a
+  plain `restore(step)` all the same (it finds each item's handler in the
+  step's `_CHECKPOINT_METADATA`, where the migration records them exactly
+  as Orbax records its own items), but orbax-checkpoint 0.12 logs two
+  "Item ... could not be restored. Please provide a
+  `CheckpointHandlerRegistry`" warnings per item first, on its own roots
+  too. Given these, `restore(step)` is silent and returns every item.
+
+  Example::
+
+    import orbax.checkpoint as ocp
+    from clu_ckpt import migration
+
+    mngr = ocp.CheckpointManager(
+        "/runs/a/orbax", item_handlers=migration.item_handlers())
+    restored = mngr.restore(mngr.latest_step())   # state, metadata, dataset
+
+  Args:
+    standard_state: The steps were migrated with a template (`--template`):
+      their `state` item is a StandardSave's.
+
+  Returns:
+    {item name: a new Orbax handler} for `state`, `dataset`, `metadata`.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  state = (ocp.handlers.StandardCheckpointHandler() if standard_state else
+           ocp.handlers.PyTreeCheckpointHandler())
+  return {STATE_ITEM: state,
+          DATASET_ITEM: ocp.handlers.PyTreeCheckpointHandler(),
+          METADATA_ITEM: ocp.handlers.JsonCheckpointHandler()}
+
+
 def read_metadata(destination: str, step: int, *,
                   step_prefix: Optional[str] = None,
                   step_format_fixed_length: Optional[int] = None
@@ -446,6 +507,12 @@ def read_metadata(destination: str, step: int, *,
 # --------------------------------------------------------------------------
 
 
+def _primary_process() -> bool:
+  """Whether this is the process that commits Orbax's steps (process 0)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.process_index() == 0
+
+
 def _commit_nsecs(saved_at: Optional[float]) -> Optional[int]:
   """`saved_at` (Unix seconds) as Orbax's integer nanoseconds, or None."""
   if saved_at is None:
@@ -468,9 +535,11 @@ class _CommitTimeStore:
   is given `commit_nsecs` instead of the current time.
   """
 
-  def __init__(self, store: Any, commit_nsecs: int):
+  def __init__(self, store: Any, commit_nsecs: Optional[int],
+               before_commit: Optional[Callable[[str], None]] = None):
     self._store = store
-    self._commit_nsecs = commit_nsecs
+    self._commit_nsecs = commit_nsecs  # None: Orbax's own time.
+    self._before_commit = before_commit
     self.committed = False  # Whether the commit time went through here.
 
   def is_blocking_writer(self) -> bool:
@@ -483,10 +552,15 @@ class _CommitTimeStore:
     return self._store.read(file_path)
 
   def update(self, file_path: Any, **kwargs: Any) -> None:
-    if COMMIT_TIME_FIELD in kwargs:
-      kwargs[COMMIT_TIME_FIELD] = self._commit_nsecs
+    committing = COMMIT_TIME_FIELD in kwargs
+    if committing:
+      if self._commit_nsecs is not None:
+        kwargs[COMMIT_TIME_FIELD] = self._commit_nsecs
       self.committed = True
     self._store.update(file_path, **kwargs)
+    if committing and self._before_commit is not None:
+      self._store.wait_until_finished()
+      self._before_commit(str(file_path).rsplit("/", 1)[0])
 
   def wait_until_finished(self) -> None:
     self._store.wait_until_finished()
@@ -507,6 +581,87 @@ def orbax_version() -> str:
     return metadata.version("orbax-checkpoint")
   except Exception:  # pylint: disable=broad-except
     return "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def installed_orbax_version() -> Optional[str]:
+  """The installed orbax-checkpoint version, or None when it is not
+  installed (read from the package metadata once per process: Orbax is not
+  imported)."""
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  try:
+    return metadata.version("orbax-checkpoint")
+  except metadata.PackageNotFoundError:
+    return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+  """The numeric release of a version string: "0.12.5rc1" -> (0, 12, 5)."""
+  parts = []
+  for part in version.strip().split("."):
+    digits = ""
+    for char in part:
+      if not char.isdigit():
+        break
+      digits += char
+    if not digits:
+      break
+    parts.append(int(digits))
+    if digits != part:
+      break
+  return tuple(parts)
+
+
+def migration_env_command() -> str:
+  """The shell command that makes an environment the migration runs in.
+
+  It installs this checkout of clu_ckpt with its `[orbax]` extra (the
+  package installs from a checkout), into a virtual environment of its own
+  so that the training environment's jax and Orbax stay as they are.
+  """
+  package = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  checkout = package if os.path.exists(
+      os.path.join(package, "setup.py")) else "<clu_ckpt checkout>"
+  return (f"python -m venv {MIGRATION_ENV} && {MIGRATION_ENV}/bin/pip "
+          f"install -e '{checkout}[orbax]'")
+
+
+def check_orbax_version(version: Optional[str]) -> None:
+  """Refuses an orbax-checkpoint the migration cannot write with.
+
+  Example::
+
+    check_orbax_version("0.12.8")    # fine
+    check_orbax_version("0.11.24")   # MigrationError
+    check_orbax_version(None)        # MigrationError: not installed
+
+  Args:
+    version: The installed orbax-checkpoint version; None: not installed.
+
+  Raises:
+    MigrationError: `version` is None, unreadable or older than
+      `MIN_ORBAX_VERSION`; one line naming the installed and the required
+      version and the command that makes a migration environment.
+  """
+  release = _release(version) if version else ()
+  if release and release >= _release(MIN_ORBAX_VERSION):
+    return
+  installed = ("orbax-checkpoint is not installed" if version is None else
+               f"the installed orbax-checkpoint is {version}")
+  raise errors.MigrationError(
+      f"migrating needs orbax-checkpoint >= {MIN_ORBAX_VERSION} and "
+      f"{installed}; nothing was written. Make a migration environment of "
+      f"its own and run clu-ckpt from it: {migration_env_command()}")
+
+
+def require_orbax() -> None:
+  """`check_orbax_version` of the installed orbax-checkpoint.
+
+  Raises:
+    MigrationError: See `check_orbax_version`.
+  """
+  check_orbax_version(installed_orbax_version())
 
 
 def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
@@ -539,6 +694,15 @@ def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
         f"{PRIVATE_API}{PRIVATE_API_PARAMETERS}, checked against "
         f"orbax-checkpoint {checked}; in the installed orbax-checkpoint "
         f"{orbax_version()} it takes {parameters}. Install "
+        f"orbax-checkpoint=={CHECKED_ORBAX_VERSIONS[-1]}.")
+  init = inspect.signature(handler_cls.__init__).parameters
+  if "deepcopy_host_arrays" not in init and not any(
+      p.kind is inspect.Parameter.VAR_KEYWORD for p in init.values()):
+    raise errors.PrivateApiError(
+        f"clu_ckpt's migration writes arrays without Orbax's defensive copy "
+        f"(NumpyHandler(deepcopy_host_arrays=False), orbax-checkpoint >= "
+        f"{MIN_ORBAX_VERSION}); the installed orbax-checkpoint "
+        f"{orbax_version()} does not take it. Install "
         f"orbax-checkpoint=={CHECKED_ORBAX_VERSIONS[-1]}.")
   return method
 

@@ -119,11 +119,10 @@ def migrate(source: str,
   TensorStore writes the arrays to the bucket itself, where Orbax commits a
   step by writing `commit_success.txt` last (there is no rename): a step
   without it is unfinished, is not listed, and is removed and written again
-  by the next run. TensorFlow is not needed: the iterator's files are
-  copied byte for byte, their index read and their layout checked without
-  it; where it is installed, TensorFlow also checks the iterator's values
-  (from a temporary local copy when they are in a bucket; see
-  `orbax_items.tf_state_names`).
+  by the next run. TensorFlow is not needed, nor imported: the iterator's files are
+  copied byte for byte, their index read and their values checked (bounds,
+  crc32c, the framing of the iterator state) as TensorFlow's reader checks
+  them (see `orbax_items.tf_state_names`).
 
   Args:
     source: A CLU `Checkpoint` base directory or `MultihostCheckpoint` base
@@ -170,7 +169,9 @@ def migrate(source: str,
     directory exists for them.
 
   Raises:
-    MigrationError: The source or the options are unusable (including a
+    MigrationError: orbax-checkpoint is missing or older than
+      `orbax_target.MIN_ORBAX_VERSION` (the default target; checked before
+      anything is read or written), the source or the options are unusable (including a
       `target` with a root other than `destination`, or with `compression`
       or `inflight_bytes` given too, and an `s3://` destination, refused
       before anything is read or written), or the destination holds another
@@ -184,6 +185,9 @@ def migrate(source: str,
   if compression not in COMPRESSIONS:
     raise MigrationError(f"unknown compression {compression!r}; use one of "
                          f"{', '.join(COMPRESSIONS)}")
+  if target is None or isinstance(target, orbax_target.OrbaxTarget):
+    # Once, before anything is read or written: not a TypeError per step.
+    orbax_target.require_orbax()
   destination = layout.absolute(destination)
   if target is None:
     try:

@@ -22,6 +22,7 @@ import numpy as np
 
 from clu_ckpt import errors
 from clu_ckpt import flax_format
+from clu_ckpt import library_logs
 from clu_ckpt import storage
 from clu_ckpt.migration import codec
 from clu_ckpt.migration import orbax_target
@@ -107,6 +108,8 @@ def _read_back(step: int, read: Callable[..., Any], *args: Any) -> Any:
   except errors.CluCkptError:
     raise
   except Exception as e:  # pylint: disable=broad-except
+    # TensorStore's reads still in flight will find Orbax's loop closed.
+    library_logs.drop_closed_loop_callbacks()
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     raise VerificationError(f"verify: step {step} cannot be read back: "
                             f"{first}") from e

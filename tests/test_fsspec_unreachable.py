@@ -1,0 +1,186 @@
+"""A store that cannot be reached fails fast, in one line naming the path.
+
+Every "store" here is on 127.0.0.1: a port that refuses connections, one that
+accepts them and never answers, and one that answers every request with 401
+(no usable credentials). No request leaves the machine.
+"""
+
+import copy
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import emulators
+from clu_ckpt import errors
+from clu_ckpt import fsspec_fs
+
+_STORE_ENV = ("STORAGE_EMULATOR_HOST", "AWS_ENDPOINT_URL",
+              "AWS_ENDPOINT_URL_S3", "TENSORSTORE_GCS_HTTP_URL")
+
+
+def _refusing_port() -> int:
+  """A port on 127.0.0.1 with nothing listening (connections are refused)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture
+def silent_port():
+  """A port that accepts connections (the kernel's backlog) and never answers.
+
+  Yields:
+    (port, count): count() is how many connections were made to it.
+  """
+  server = socket.socket()
+  server.bind(("127.0.0.1", 0))
+  server.listen(64)
+  server.settimeout(0.05)
+  accepted = []
+  stop = threading.Event()
+
+  def accept():
+    while not stop.is_set():
+      try:
+        accepted.append(server.accept()[0])  # held open, never answered
+      except (socket.timeout, OSError):
+        continue
+
+  thread = threading.Thread(target=accept, daemon=True)
+  thread.start()
+  yield server.getsockname()[1], lambda: len(accepted)
+  stop.set()
+  thread.join()
+  for conn in accepted:
+    conn.close()
+  server.close()
+
+
+@pytest.fixture
+def unauthorized_port():
+  """An HTTP server answering 401 to everything; yields (port, hits)."""
+  hits = []
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+
+    def _refuse(self):
+      hits.append(self.path)
+      body = (b'{"error": {"code": 401, "message": "Anonymous caller does '
+              b'not have storage.objects.list access"}}')
+      self.send_response(401)
+      self.send_header("Content-Type", "application/json")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_HEAD = do_DELETE = _refuse
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  yield server.server_address[1], hits
+  server.shutdown()
+  server.server_close()
+
+
+def _store_env(monkeypatch, url):
+  for name, value in emulators.ENV.items():
+    monkeypatch.setenv(name, value)
+  for name in _STORE_ENV:
+    monkeypatch.setenv(name, url)
+
+
+def _cli(*argv, url):
+  env = dict(os.environ, **emulators.ENV, TF_CPP_MIN_LOG_LEVEL="3")
+  env.update({name: url for name in _STORE_ENV})
+  started = time.monotonic()
+  done = subprocess.run([sys.executable, "-m", "clu_ckpt", *argv],
+                        capture_output=True, text=True, timeout=120, env=env)
+  return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_refusing_store_fails_in_one_line_in_seconds(scheme):
+  url = f"http://127.0.0.1:{_refusing_port()}"
+  done, seconds = _cli("inspect", f"{scheme}://bucket/run1", url=url)
+  assert done.returncode == 1
+  lines = done.stderr.strip().splitlines()
+  # Was ~40 lines of gcsfs tracebacks after 33-48 s of retries.
+  assert len(lines) == 1, done.stderr
+  assert lines[0].startswith(f"clu-ckpt inspect: error: {scheme}://bucket/run1:")
+  assert "connect" in lines[0].lower(), lines[0]
+  assert seconds < 20, seconds
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_a_silent_store_gets_one_bounded_try(scheme, silent_port, monkeypatch):
+  port, connections = silent_port
+  _store_env(monkeypatch, f"http://127.0.0.1:{port}")
+  monkeypatch.setattr(fsspec_fs, "FIRST_CONTACT_SECONDS", 1.0)
+  fs = fsspec_fs.FsspecFileSystem(scheme)
+  started = time.monotonic()
+  with pytest.raises(fsspec_fs.StoreUnreachableError) as raised:
+    fs.listdir(f"{scheme}://bucket/run1")
+  seconds = time.monotonic() - started
+  assert raised.value.filename == f"{scheme}://bucket/run1"
+  assert "no answer from the store at http://127.0.0.1:" in str(raised.value)
+  assert seconds < 6, seconds   # 1 s, not the clients' minutes
+  assert connections() == 1     # no retry of a store that never answered
+
+
+def test_a_store_refusing_credentials_is_asked_once(unauthorized_port,
+                                                    monkeypatch):
+  port, hits = unauthorized_port
+  _store_env(monkeypatch, f"http://127.0.0.1:{port}")
+  fs = fsspec_fs.FsspecFileSystem("gs")
+  with pytest.raises(errors.StoreAccessError, match="gs://bucket/run1"):
+    fs.listdir("gs://bucket/run1")
+  assert len(hits) == 1, hits
+
+
+def test_once_the_store_answered_its_client_retries_again(gcs):
+  fs = fsspec_fs.FsspecFileSystem("gs")
+  client = fs.fs
+  assert not client._answered  # pylint: disable=protected-access
+  assert not fs.exists(f"gs://{gcs.bucket()}/nothing")   # a 404 is an answer
+  assert client._answered  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize("scheme", ["gs", "s3"])
+def test_the_file_systems_copy_like_fsspecs_own(scheme, monkeypatch):
+  # fsspec rebuilds a file system from `__reduce__` (copies, processes that
+  # are handed one): the class must be found again by its module and name.
+  _store_env(monkeypatch, f"http://127.0.0.1:{_refusing_port()}")
+  client = fsspec_fs.FsspecFileSystem(scheme).fs
+  duplicate = copy.deepcopy(client)
+  assert type(duplicate) is type(client) and not duplicate._answered  # pylint: disable=protected-access
+  cls = type(client)
+  assert (cls.__module__, cls.__qualname__) == (fsspec_fs.__name__,
+                                                cls.__name__)
+  done = subprocess.run(  # a fresh process finds the class by its name
+      [sys.executable, "-c", "import importlib, sys; "
+       "m = importlib.import_module(sys.argv[1]); "
+       "print(getattr(m, sys.argv[2]).__name__)", cls.__module__,
+       cls.__qualname__],
+      capture_output=True, timeout=120,
+      env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+  assert done.stdout.decode().strip() == cls.__name__, done.stderr
+
+
+def test_a_glob_in_a_missing_bucket_names_the_directory_not_the_pattern(gcs):
+  del gcs  # the emulator, with no bucket of that name
+  fs = fsspec_fs.FsspecFileSystem("gs")
+  with pytest.raises(FileNotFoundError,
+                     match="bucket 'no-such-bucket-g4' does not exist") as e:
+    fs.glob("gs://no-such-bucket-g4/run1/checkpoints-*")
+  assert e.value.filename == "gs://no-such-bucket-g4/run1"
+  assert "*" not in str(e.value)
