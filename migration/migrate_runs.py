@@ -113,8 +113,6 @@ _HOST_DIR_RE = re.compile(r"^(?P<base>.+)-(?P<host>\d+)$")
 _URL_RE = re.compile(r"^[a-z][a-z0-9.+-]*://", re.I)
 # Flax's own `flax.training.checkpoints` layout: `checkpoint_<step>` files.
 _FLAX_TRAINING_RE = re.compile(r"^checkpoint_\d+$")
-_FLAX_TRAINING_UNSUPPORTED = (
-    "Flax checkpoints layout: not supported by this version")
 # The source root recorded in a destination root.
 FLEET_FILE = "clu_ckpt_fleet.json"
 _FLEET_FORMAT = "clu_ckpt.fleet/1"
@@ -220,7 +218,6 @@ _REASONS = {
     OTHER: "not a checkpoint directory (no `checkpoint` file, no "
            "<name>-<N>.flax)",
     NOT_DIRECTORY: "not a directory",
-    FLAX_TRAINING: _FLAX_TRAINING_UNSUPPORTED,
 }
 
 
@@ -250,9 +247,8 @@ def classify(entries: Optional[Mapping[str, int]]) -> str:
   return EMPTY if not entries else OTHER
 
 
-# The kinds this version migrates (FLAX_TRAINING joins when `migrate` reads
-# that layout).
-_MIGRATED_KINDS = (CLU,)
+# The kinds this version migrates (`clu_ckpt.migration.migrate` reads both).
+_MIGRATED_KINDS = (CLU, FLAX_TRAINING)
 
 
 # --------------------------------------------------------------------------

@@ -130,11 +130,10 @@ def test_a_glob_naming_bases_covers_their_hosts_and_lists_the_rest(mr, tree):
   assert runs == [
       ("runs/a/checkpoints", "Checkpoint", [], None),
       ("runs/b/checkpoints", "Checkpoint", [], None),
+      ("runs/f/checkpoints", "flax_training", [], None),
       ("runs/m/checkpoints", "MultihostCheckpoint", _HOSTS, None)]
   assert skipped == [
       ("runs/e/checkpoints", "empty directory"),
-      ("runs/f/checkpoints",
-       "Flax checkpoints layout: not supported by this version"),
       ("runs/o/checkpoints", "not a checkpoint directory (no `checkpoint` "
        "file, no <name>-<N>.flax)")]
 
@@ -201,10 +200,9 @@ def test_a_path_matched_twice_is_one_run(mr, tree):
   assert len({s.path for s in plan.skipped}) == len(plan.skipped)
 
 
-def test_classify_decides_for_the_plan(mr, tree, monkeypatch):
-  """Teaching `classify` a layout is all the plan needs (one place)."""
+def test_classify_decides_for_the_plan(mr, tree):
+  """Flax's `checkpoint_<step>` files are a run of their own kind."""
   del tree
-  monkeypatch.setattr(mr, "_MIGRATED_KINDS", (mr.CLU, mr.FLAX_TRAINING))
   runs, _ = _summary(mr.plan_fleet([], ["runs/f/*"]))
   assert runs == [("runs/f/checkpoints", "flax_training", [], None)]
 
@@ -470,18 +468,18 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tree):
   assert run.returncode == 0, run.stderr
   assert run.stdout.splitlines() == [
       "skipped runs/e/checkpoints: empty directory",
-      "skipped runs/f/checkpoints: Flax checkpoints layout: not supported by "
-      "this version",
       "skipped runs/o/checkpoints: not a checkpoint directory (no "
       "`checkpoint` file, no <name>-<N>.flax)",
       "would migrate runs/a/checkpoints -> out/a/checkpoints (Checkpoint, "
       "0 B)",
       "would migrate runs/b/checkpoints -> out/b/checkpoints (Checkpoint, "
       "0 B)",
+      "would migrate runs/f/checkpoints -> out/f/checkpoints "
+      "(flax_training, 0 B)",
       "would migrate runs/m/checkpoints -> out/m/checkpoints "
       "(MultihostCheckpoint, 2 hosts, 0 B)",
-      f"dry run: would migrate 3 run(s) (0 B) into out (source root "
-      f"{tree / 'runs'}); 3 path(s) skipped; wrote nothing"]
+      f"dry run: would migrate 4 run(s) (0 B) into out (source root "
+      f"{tree / 'runs'}); 2 path(s) skipped; wrote nothing"]
   assert not (tree / "out").exists() and not (tree / "reports").exists()
 
 
@@ -689,7 +687,8 @@ def template():
 @pytest.fixture(scope="module", name="clu_fleet")
 def fixture_clu_fleet(tmp_path_factory):
   """Runs written by clu: runs/{a,b,c}/checkpoints, and runs/m/checkpoints a
-  MultihostCheckpoint (hosts only); runs/e/checkpoints empty. Migrated at
+  MultihostCheckpoint (hosts only); runs/f/checkpoints Flax's own
+  `flax.training.checkpoints` files; runs/e/checkpoints empty. Migrated at
   --parallelism=1 with a template killing the first run's worker, the
   report in a directory that does not exist yet.
 
@@ -706,6 +705,15 @@ def fixture_clu_fleet(tmp_path_factory):
     clu_checkpoint.MultihostCheckpoint(
         str(root / "runs" / "m" / "checkpoints"), host_id=host).save(
             example_state(7))
+  import flax  # pylint: disable=g-import-not-at-top
+  from flax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+  flax.config.update("flax_use_orbax_checkpointing", False)
+  with warnings.catch_warnings():  # Flax's own deprecation notice
+    warnings.simplefilter("ignore", DeprecationWarning)
+    for step in (5, 10):
+      checkpoints.save_checkpoint(str(root / "runs" / "f" / "checkpoints"),
+                                  example_state(step), step, keep=2)
   (root / "runs" / "e" / "checkpoints").mkdir(parents=True)
   (root / "killer.py").write_text(_KILLER)
   (root / "kill-once").write_text("")
@@ -724,6 +732,7 @@ def test_a_killed_worker_fails_only_its_run(clu_fleet):
   # The first run (sorted) lost its worker; a new worker took the others.
   assert statuses == {"runs/a/checkpoints": "error",
                       "runs/b/checkpoints": "ok", "runs/c/checkpoints": "ok",
+                      "runs/f/checkpoints": "ok",
                       "runs/m/checkpoints": "ok"}, report
   error = report["runs"][0]["error"]
   assert error.startswith("worker process died (killed by SIGKILL (out of "
@@ -750,6 +759,18 @@ def test_the_fleet_migrates_every_run_with_its_hosts(clu_fleet):
   assert same_tree(
       migration.restore_state(str(root / "orbax" / "m" / "checkpoints")),
       example_state(7))
+  # Flax's own files: steps named by Flax's step numbers, read back as
+  # Flax reads its files.
+  from flax.training import checkpoints  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  flax_run = next(r for r in report["runs"]
+                  if r["source"] == "runs/f/checkpoints")
+  assert flax_run["kind"] == "flax_training"
+  assert [s["step"] for s in flax_run["summary"]["steps"]] == [5, 10]
+  assert same_tree(
+      checkpoint.load_state_dict(str(root / "orbax" / "f" / "checkpoints")),
+      checkpoints.restore_checkpoint(str(root / "runs" / "f" / "checkpoints"),
+                                     None))
   recorded = json.loads((root / "orbax" / "clu_ckpt_fleet.json").read_text())
   assert recorded["source_root"] == str(root / "runs")
 
@@ -758,14 +779,14 @@ def test_the_fleet_prints_the_skipped_and_one_line_per_run(clu_fleet):
   _, run, _ = clu_fleet
   lines = run.stdout.splitlines()
   assert lines[0] == "skipped runs/e/checkpoints: empty directory"
-  assert re.fullmatch(r"migrating 4 run\(s\) \(\d+\.\d KiB\) into orbax, 1 "
+  assert re.fullmatch(r"migrating 5 run\(s\) \(\d+\.\d KiB\) into orbax, 1 "
                       r"at a time; 1 path\(s\) skipped", lines[1]), lines[1]
   progress = [l for l in lines if l.startswith("[")]
-  assert len(progress) == 4, run.stdout
-  assert re.fullmatch(r"\[4/4\] runs/m/checkpoints ok \(1 step, \d+ B, \d+ "
+  assert len(progress) == 5, run.stdout
+  assert re.fullmatch(r"\[5/5\] runs/m/checkpoints ok \(1 step, \d+ B, \d+ "
                       r"(s|min)\); [\d.]+ KiB of [\d.]+ KiB, 1 failure, all "
                       r"done in \d+ (s|min)", progress[-1]), progress[-1]
-  assert lines[-1] == ("3 ok, 0 failed, 1 error; report: "
+  assert lines[-1] == ("4 ok, 0 failed, 1 error; report: "
                        "reports/new/report.json")
 
 
@@ -776,7 +797,7 @@ def test_a_rerun_finishes_the_fleet(clu_fleet):
                 "--report=rerun.json", "--step-naming=state", cwd=root)
   assert run.returncode == 0, run.stderr[-3000:]
   report = json.loads((root / "rerun.json").read_text())
-  assert report["counts"] == {"ok": 4, "failed": 0, "error": 0}
+  assert report["counts"] == {"ok": 5, "failed": 0, "error": 0}
   assert (root / "orbax" / "a" / "checkpoints" / "10").is_dir()
 
 
