@@ -133,7 +133,9 @@ def test_a_silent_store_gets_one_bounded_try(scheme, silent_port, monkeypatch):
   seconds = time.monotonic() - started
   assert raised.value.filename == f"{scheme}://bucket/run1"
   assert "no answer from the store at http://127.0.0.1:" in str(raised.value)
-  assert seconds < 6, seconds   # 1 s, not the clients' minutes
+  # 1 s to answer, plus the client's own set-up (its first session, an
+  # import) on a loaded machine; the clients alone wait 5 minutes.
+  assert seconds < 30, seconds
   assert connections() == 1     # no retry of a store that never answered
 
 
