@@ -27,7 +27,6 @@ The files read (what Orbax 0.12's `PyTreeCheckpointHandler` writes)::
 
 from __future__ import annotations
 
-import json
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -35,6 +34,8 @@ import numpy as np
 from clu_ckpt import errors
 from clu_ckpt import layout
 from clu_ckpt import storage
+
+_read_json = storage.read_json_object
 
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
@@ -54,14 +55,6 @@ _COALESCING = {
     "experimental_read_coalescing_merged_bytes": 500000000000,
     "experimental_read_coalescing_interval": "1ms",
 }
-
-
-def _read_json(path: str) -> Optional[dict]:
-  try:
-    value = json.loads(storage.read_bytes(path))
-  except (OSError, ValueError):
-    return None
-  return value if isinstance(value, dict) else None
 
 
 def migration_metadata(step_dir: str) -> Optional[dict[str, Any]]:

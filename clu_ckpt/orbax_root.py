@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import json
 import os
 import re
 from typing import Optional
@@ -32,6 +31,8 @@ from clu_ckpt import flax_format
 from clu_ckpt import flax_training
 from clu_ckpt import layout
 from clu_ckpt import storage
+
+_read_json = storage.read_json_object
 
 
 def _iso(t: float) -> str:
@@ -203,14 +204,6 @@ def list_steps(root: str, *, step_prefix: Optional[str] = None,
       else:
         steps.append(int(match.group(1)))
   return sorted(steps), sorted(partial)
-
-
-def _read_json(path: str) -> Optional[dict]:
-  try:
-    value = json.loads(storage.read_bytes(path))
-  except (OSError, ValueError):
-    return None
-  return value if isinstance(value, dict) else None
 
 
 def _directory_bytes(path: str) -> int:

@@ -39,6 +39,7 @@ Synopsis::
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import tempfile
@@ -250,6 +251,30 @@ def read_bytes(path: str) -> bytes:
     OSError: It cannot be read (FileNotFoundError if missing).
   """
   return filesystem(path).read_bytes(path)
+
+
+def read_json_object(path: str) -> "dict | None":
+  """The JSON object a small metadata file holds, or None.
+
+  For files a reader may find missing, damaged or of another shape (Orbax's
+  and the migration's metadata): each of those is None, not an error.
+
+  Example::
+
+    meta = read_json_object(f"{step_dir}/_CHECKPOINT_METADATA") or {}
+
+  Args:
+    path: The file (path or URL).
+
+  Returns:
+    The decoded object, or None when the file is missing, unreadable, not
+    JSON or not a JSON object.
+  """
+  try:
+    value = json.loads(read_bytes(path))
+  except (OSError, ValueError):
+    return None
+  return value if isinstance(value, dict) else None
 
 
 def metadata_cache() -> ContextManager[None]:
