@@ -290,6 +290,8 @@ def test_the_fleet_prints_the_skipped_and_one_line_per_run(clu_fleet):
                       r"at a time; 1 path\(s\) skipped", lines[1]), lines[1]
   progress = [l for l in lines if l.startswith("[")]
   assert len(progress) == 5, run.stdout
+  # Not a terminal (a pipe, a log): plain lines, nothing rewritten.
+  assert "\r" not in run.stdout and "\x1b" not in run.stdout
   assert re.fullmatch(r"\[5/5\] runs/m/checkpoints ok \(1 step, \d+ B, \d+ "
                       r"(s|min)\); [\d.]+ KiB of [\d.]+ KiB, 1 failure, all "
                       r"done in \d+ (s|min)", progress[-1]), progress[-1]

@@ -155,6 +155,91 @@ def test_a_path_matched_twice_is_one_run(tree):
   assert len({s.path for s in plan.skipped}) == len(plan.skipped)
 
 
+# An operator's fleet, attacked for runs left out silently: every path a
+# glob matches ends as a run (possibly an error, which fails the exit
+# status) or as skipped with a reason that really means "not a run".
+
+
+def test_the_same_run_named_twice_is_one_run(tree):
+  """Relative and absolute spellings, a trailing slash, `./`: one run."""
+  absolute = str(tree / "runs" / "a" / "checkpoints") + "/"
+  plan = fleet_discovery.plan_fleet(
+      ["runs/a/checkpoints/", absolute], ["./runs/*/checkpoints"])
+  sources = [r.source for r in plan.runs]
+  assert sources.count("runs/a/checkpoints") == 1, sources
+  assert absolute.rstrip("/") not in sources
+  assert all(r.error is None for r in plan.runs), plan.runs
+
+
+def test_a_glob_with_a_trailing_slash_finds_the_same_runs(tree):
+  del tree
+  assert (_summary(fleet_discovery.plan_fleet([], ["runs/*/checkpoints/"]))
+          == _summary(fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])))
+
+
+def test_a_symlinked_run_is_a_run_under_its_own_name(tree):
+  clu_dir(tree, "elsewhere/real")
+  (tree / "runs" / "l").mkdir()
+  (tree / "runs" / "l" / "checkpoints").symlink_to(tree / "elsewhere/real")
+  runs, _ = _summary(fleet_discovery.plan_fleet([], ["runs/l/*"]))
+  assert runs == [("runs/l/checkpoints", "Checkpoint", [], None)]
+
+
+def test_a_dangling_symlink_is_an_error_not_a_skip(tree):
+  """A run behind a link to an unmounted disk is not "not a directory"."""
+  (tree / "runs" / "d").mkdir()
+  (tree / "runs" / "d" / "checkpoints").symlink_to("/nonexistent/mount")
+  plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])
+  dangling = [r for r in plan.runs if r.source == "runs/d/checkpoints"]
+  assert [r.error for r in dangling] == [
+      "cannot list: a broken symbolic link to /nonexistent/mount"]
+  assert "runs/d/checkpoints" not in {s.path for s in plan.skipped}
+
+
+def test_an_unlistable_path_is_an_error_of_its_own(tree):
+  """A symbolic link loop (as a directory without permission): its own
+  error; the other runs are planned."""
+  (tree / "runs" / "x").mkdir()
+  (tree / "runs" / "x" / "checkpoints").symlink_to("checkpoints")
+  plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])
+  errors_ = {r.source: r.error for r in plan.runs if r.error}
+  assert errors_ == {"runs/x/checkpoints": "cannot list: Too many levels of "
+                                           "symbolic links"}
+  assert len(plan.runs) == 5
+
+
+def test_host_directories_with_a_gap_are_an_error(tree):
+  """`<base>-0` and `<base>-2` without `<base>-1`: a host's checkpoints are
+  missing (or misnamed); migrating the others alone would drop them."""
+  clu_dir(tree, "runs/g/checkpoints-0")
+  clu_dir(tree, "runs/g/checkpoints-2")
+  plan = fleet_discovery.plan_fleet([], ["runs/g/checkpoints"])
+  assert [(r.source, r.kind, r.error) for r in plan.runs] == [
+      ("runs/g/checkpoints", "MultihostCheckpoint",
+       "host directory runs/g/checkpoints-1 missing (found hosts 0, 2): "
+       "restore it, or migrate the hosts found with clu-ckpt migrate")]
+
+
+def test_a_name_with_spaces_and_glob_characters(tree):
+  clu_dir(tree, "runs/my run [1]/checkpoints")
+  named = fleet_discovery.plan_fleet(["runs/my run [1]/checkpoints"], [])
+  globbed = fleet_discovery.plan_fleet([], ["runs/my run*/checkpoints"])
+  assert ([(r.source, r.error) for r in named.runs] ==
+          [(r.source, r.error) for r in globbed.runs] ==
+          [("runs/my run [1]/checkpoints", None)])
+
+
+def test_a_sources_file_keeps_a_hash_inside_a_path(tmp_path):
+  listing = tmp_path / "sources.txt"
+  listing.write_text("runs/exp#3/checkpoints\n"
+                     "# a comment line\n"
+                     "  runs/b/checkpoints   # a comment after a path\n"
+                     "\n")
+  assert fleet_discovery.read_sources_file(str(listing)) == [
+      "runs/exp#3/checkpoints", "runs/b/checkpoints"]
+
+
+
 def test_classify_decides_for_the_plan(tree):
   """Flax's `checkpoint_<step>` files are a run of their own kind."""
   del tree
@@ -528,3 +613,32 @@ def test_merge_refuses_different_destination_roots():
         ("r0.json", _report("/orbax", 0, 2, ["/r/a"], "t")),
         ("r1.json", _report("/elsewhere", 1, 2, ["/r/b"], "t")),
     ])
+
+
+
+def test_merging_a_merged_report_keeps_the_missing_shards():
+  """`--merge-reports=all.json /reports/*.json` finds the last all.json too:
+  the shards it holds count as themselves, not as one unsharded report."""
+  shards = [("s0.json", _report("/o", 0, 3, ["/r/a"], "t1")),
+            ("s1.json", _report("/o", 1, 3, ["/r/b"], "t1"))]
+  merged = fleet_report.merge_reports(shards)
+  assert merged["missing_shards"] == [2]
+  again = fleet_report.merge_reports([("all.json", merged)] + shards)
+  assert again["missing_shards"] == [2] and not again["ok"]
+  assert sorted(m["report"] for m in again["merged_from"]) == [
+      "s0.json", "s0.json", "s1.json", "s1.json"]
+  done = fleet_report.merge_reports(
+      [("all.json", merged), ("s2.json", _report("/o", 2, 3, ["/r/c"], "t2"))])
+  assert done["missing_shards"] == [] and done["ok"], done
+
+
+def test_reports_in_a_bucket(gcs):
+  """`--report` and `--merge-reports` on gs:// paths."""
+  root = f"gs://{gcs.bucket()}/reports"
+  fleet_report.prepare_report(f"{root}/shard-0.json")
+  fleet_report.write_report(f"{root}/shard-0.json",
+                            _report("/o", 0, 1, ["/r/a"], "t", fleet_size=1))
+  loaded = fleet_report.load_report(f"{root}/shard-0.json")
+  assert loaded["runs"] == [{"source": "/r/a", "status": "ok", "shard": 0}]
+  with pytest.raises(errors.UsageError, match="cannot read report"):
+    fleet_report.load_report(f"{root}/missing.json")

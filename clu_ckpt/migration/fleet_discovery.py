@@ -33,7 +33,7 @@ import glob
 import os
 import posixpath
 import re
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 from clu_ckpt.errors import UsageError
 
@@ -124,6 +124,7 @@ FLAX_TRAINING = "flax_training"
 EMPTY = "empty"
 OTHER = "other"
 NOT_DIRECTORY = "not_directory"
+UNLISTABLE = "unlistable"
 
 _REASONS = {
     EMPTY: "empty directory",
@@ -133,23 +134,32 @@ _REASONS = {
 }
 
 
-def classify(entries: Optional[Mapping[str, int]]) -> str:
+@dataclasses.dataclass(frozen=True)
+class Unlistable:
+  """A matched path whose listing failed, and why (a broken symbolic link,
+  a link loop, no permission): likely a run, so an error, never a skip."""
+  reason: str
+
+
+def classify(entries: "Optional[Mapping[str, int]] | Unlistable") -> str:
   """What a directory is, from its listing alone.
 
   The one place that decides; a layout the library learns to migrate is
   added here (and to `_MIGRATED_KINDS`).
 
   Args:
-    entries: Name -> size of each entry (-1 for a subdirectory), or None
-      when the path is not a directory.
+    entries: Name -> size of each entry (-1 for a subdirectory), None
+      when the path is not a directory, or `Unlistable`.
 
   Returns:
     CLU (a `checkpoint` file or a `<name>-<N>.flax`), FLAX_TRAINING (Flax's
-    `checkpoint_<step>` files), EMPTY, OTHER or NOT_DIRECTORY.
+    `checkpoint_<step>` files), EMPTY, OTHER, NOT_DIRECTORY or UNLISTABLE.
   """
   from clu_ckpt import layout  # pylint: disable=g-import-not-at-top
   if entries is None:
     return NOT_DIRECTORY
+  if isinstance(entries, Unlistable):
+    return UNLISTABLE
   if layout.STATE_FILENAME in entries or any(
       layout.FLAX_NAME_RE.match(n) for n in entries):
     return CLU
@@ -167,10 +177,12 @@ _MIGRATED_KINDS = (CLU, FLAX_TRAINING)
 # Listing: every candidate path of a glob with its entries.
 # --------------------------------------------------------------------------
 
-Entries = Optional[dict[str, int]]
+# A path's listing: name -> size (-1: a directory); None: not a directory.
+Entries = Union[None, dict[str, int], Unlistable]
 
 
 def _list_local_directory(path: str) -> Entries:
+  """The entries of `path`; None for a file; `Unlistable` when it fails."""
   try:
     with os.scandir(path) as it:
       found = {}
@@ -181,8 +193,14 @@ def _list_local_directory(path: str) -> Entries:
         except OSError:
           found[entry.name] = 0
       return found
-  except (NotADirectoryError, FileNotFoundError):
+  except NotADirectoryError:
     return None
+  except FileNotFoundError:
+    if os.path.islink(path):  # matched by name, its target is not there
+      return Unlistable(f"a broken symbolic link to {os.readlink(path)}")
+    return None  # removed since it was matched
+  except OSError as e:
+    return Unlistable(e.strerror or str(e))
 
 
 def list_candidates(pattern: str) -> dict[str, Entries]:
@@ -297,7 +315,32 @@ class Plan:
 
 
 def _size(entries: Entries) -> int:
-  return sum(s for s in (entries or {}).values() if s > 0)
+  if not isinstance(entries, dict):
+    return 0
+  return sum(s for s in entries.values() if s > 0)
+
+
+def _host_error(base: str, hosts: Mapping[int, str],
+                candidates: Mapping[str, Entries]) -> Optional[str]:
+  """Why a multihost run's hosts cannot be migrated as found, or None.
+
+  A gap in the host numbers (`-0` and `-2`, no `-1`) means a host's
+  checkpoints are missing or misnamed: migrating the others would drop
+  that host's iterator without a word. A host that cannot be listed is
+  the run's error too.
+  """
+  for host in sorted(hosts):
+    entries = candidates[hosts[host]]
+    if isinstance(entries, Unlistable):
+      return f"cannot list {hosts[host]}: {entries.reason}"
+  missing = sorted(set(range(max(hosts) + 1)) - set(hosts))
+  if not missing:
+    return None
+  names = ", ".join(f"{base}-{h}" for h in missing)
+  found = ", ".join(map(str, sorted(hosts)))
+  plural = "ies" if len(missing) > 1 else "y"
+  return (f"host director{plural} {names} missing (found hosts {found}): "
+          "restore it, or migrate the hosts found with clu-ckpt migrate")
 
 
 def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
@@ -326,12 +369,14 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
   for base, hosts in sorted(groups.items()):
     named = _matches(base, pattern) or any(
         _matches(h, pattern) for h in hosts.values())
-    if (0 not in hosts or classify(candidates[hosts[0]]) != CLU or
+    if (0 not in hosts or
+        classify(candidates[hosts[0]]) not in (CLU, UNLISTABLE) or
         not named or classify(candidates.get(base)) == CLU):
       continue
     ordered = [hosts[h] for h in sorted(hosts)]
     runs.append(Run(base, "MultihostCheckpoint", ordered,
-                    sum(_size(candidates[h]) for h in ordered)))
+                    sum(_size(candidates[h]) for h in ordered),
+                    error=_host_error(base, hosts, candidates)))
     covered.add(base)
     for h in ordered:
       covered.add(h)
@@ -344,6 +389,8 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
     if kind in _MIGRATED_KINDS:
       runs.append(Run(path, "Checkpoint" if kind == CLU else kind,
                       nbytes=_size(entries)))
+    elif kind == UNLISTABLE:  # likely a run: an error, whoever named it
+      runs.append(Run(path, kind, error=f"cannot list: {entries.reason}"))
     elif explicit:
       runs.append(Run(path, kind, error=_REASONS[kind]))
     else:
@@ -383,25 +430,50 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
     escaped = storage.glob_escape(normalize_path(source))
     plans.append(plan_pattern(escaped, lister(escaped),
                               explicit=normalize_path(source)))
+  # One entry per path, however spelled (relative or absolute, `./`, a
+  # trailing slash): the first spelling listed, the globs' first.
   runs: dict[str, Run] = {}
   for plan in plans:
     for run in plan.runs:
-      if run.source not in runs or runs[run.source].error:
-        runs[run.source] = run
+      key = _identity(run.source)
+      if key not in runs or (runs[key].error and not run.error):
+        runs[key] = run
   skipped: dict[str, Skipped] = {}
   for plan in plans:
     for s in plan.skipped:
-      if s.path not in runs:
-        skipped.setdefault(s.path, s)
-  return Plan([runs[s] for s in sorted(runs)],
-              [skipped[s] for s in sorted(skipped)])
+      if _identity(s.path) not in runs:
+        skipped.setdefault(_identity(s.path), s)
+  return Plan(sorted(runs.values(), key=lambda r: r.source),
+              sorted(skipped.values(), key=lambda s: s.path))
+
+
+def _identity(path: str) -> str:
+  """What two spellings of one path have in common."""
+  return normalize_path(absolute_path(path))
+
+
+# A comment: a line starting with "#", or "#" after a blank ("a#b" is a
+# path: run names may hold "#").
+_COMMENT_RE = re.compile(r"(^|\s)#.*$")
 
 
 def read_sources_file(path: str) -> list[str]:
-  """The paths listed in `path`, one a line ("#" starts a comment)."""
+  """The paths listed in a file, one a line.
+
+  Args:
+    path: The file (`--sources-file`). Blank lines are ignored; "#" starts
+      a comment at the start of a line or after a blank, so that a "#"
+      inside a name (`runs/exp#3`) stays part of it.
+
+  Returns:
+    The paths, as written (surrounding blanks removed).
+
+  Raises:
+    UsageError: The file cannot be read.
+  """
   try:
     with open(path) as f:
-      lines = [l.split("#", 1)[0].strip() for l in f]
+      lines = [_COMMENT_RE.sub("", l.rstrip("\n")).strip() for l in f]
   except OSError as e:
     raise UsageError(f"--sources-file {path}: {e.strerror or e}") from None
   return [l for l in lines if l]

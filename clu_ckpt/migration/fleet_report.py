@@ -200,15 +200,21 @@ def prepare_report(path: str) -> None:
 
 
 def load_report(path: str) -> dict[str, Any]:
-  """A report written by this script (complete or partial).
+  """A report written by the fleet (complete, partial or merged).
+
+  Args:
+    path: A local path or a bucket URL.
+
+  Returns:
+    The report.
 
   Raises:
     UsageError: Unreadable, not JSON, or not a report.
   """
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   try:
-    with open(path) as f:
-      report = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+    report = json.loads(storage.read_bytes(path))
+  except (OSError, ValueError) as e:
     raise UsageError(f"cannot read report {path}: {e}") from None
   if not (isinstance(report, dict) and isinstance(report.get("runs"), list)
           and "destination_root" in report):
@@ -228,8 +234,9 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
 
   Returns:
     The merged report: every run with its "shard", every skipped path, the
-    reports merged, the shards missing (when all reports agree on the shard
-    count), counts, "complete" (every report was) and "ok" (every run ok,
+    shard reports merged ("merged_from"; a merged report given as input
+    stands for the shard reports it merged), the shards missing (when all
+    agree on the shard count), counts, "complete" (every report was) and "ok" (every run ok,
     no shard missing, no run of the fleet missing).
 
   Raises:
@@ -254,13 +261,14 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
     for s in report.get("skipped", []):
       skipped[s["path"]] = s
   merged_runs = [runs[s] for s in sorted(runs)]
-  missing = _missing_shards([r for _, r in reports])
+  merged_from = [m for p, r in reports for m in _shards_of(p, r)]
+  missing = _missing_shards(merged_from)
   fleet_size = max(r.get("fleet_size", len(r["runs"])) for _, r in reports)
   counts = count_statuses(merged_runs)
   return {
       "created": now(),
       "destination_root": root,
-      "merged_from": [_merged_from(p, r) for p, r in reports],
+      "merged_from": merged_from,
       "fleet_size": fleet_size,
       "missing_shards": missing,
       "complete": all(r.get("complete", True) for _, r in reports),
@@ -289,18 +297,25 @@ def _shard(report: Mapping[str, Any]) -> tuple[int, int]:
   return report.get("shard_index", 0), report.get("num_shards", 1)
 
 
-def _missing_shards(reports: Sequence[Mapping[str, Any]]) -> list[int]:
-  counts = {_shard(r)[1] for r in reports}
+def _missing_shards(shards: Sequence[Mapping[str, Any]]) -> list[int]:
+  """The shard indices none of `shards` ("merged_from" entries) ran, when
+  they agree on the shard count ([] when they do not)."""
+  counts = {s["num_shards"] for s in shards}
   if len(counts) != 1:
     return []
-  return sorted(set(range(counts.pop())) - {_shard(r)[0] for r in reports})
+  return sorted(set(range(counts.pop())) - {s["shard_index"] for s in shards})
 
 
-def _merged_from(path: str, report: Mapping[str, Any]) -> dict[str, Any]:
+def _shards_of(path: str, report: Mapping[str, Any]
+               ) -> list[dict[str, Any]]:
+  """The shard reports `report` stands for ("merged_from" entries): itself,
+  or, for a merged report, the shard reports merged into it."""
+  if isinstance(report.get("merged_from"), list):
+    return [dict(m) for m in report["merged_from"]]
   index, count = _shard(report)
-  return {"report": path, "created": report.get("created"),
-          "shard_index": index, "num_shards": count,
-          "complete": report.get("complete", True),
-          "runs": len(report["runs"])}
+  return [{"report": path, "created": report.get("created"),
+           "shard_index": index, "num_shards": count,
+           "complete": report.get("complete", True),
+           "runs": len(report["runs"])}]
 
 
