@@ -14,6 +14,8 @@ import argparse
 import io
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -642,3 +644,20 @@ def test_reports_in_a_bucket(gcs):
   assert loaded["runs"] == [{"source": "/r/a", "status": "ok", "shard": 0}]
   with pytest.raises(errors.UsageError, match="cannot read report"):
     fleet_report.load_report(f"{root}/missing.json")
+
+
+def test_the_fleet_process_imports_no_migration_machinery(tmp_path):
+  """The parent plans, dispatches and reports; its workers migrate. Its
+  start-up delays every worker, so it imports neither NumPy nor Orbax,
+  JAX or TensorFlow (importing `clu_ckpt.migration` imports none of them
+  until a name of it is used)."""
+  make_tree(tmp_path)
+  code = ("import sys\n"
+          "from clu_ckpt.migration import fleet, fleet_discovery\n"
+          "fleet.build_parser()\n"
+          "fleet_discovery.plan_fleet([], ['runs/*/checkpoints'])\n"
+          "print(sorted(m for m in ('numpy', 'jax', 'orbax', 'tensorflow')\n"
+          "             if m in sys.modules))\n")
+  done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                        capture_output=True, text=True, check=True)
+  assert done.stdout.strip() == "[]", done.stdout + done.stderr
