@@ -215,7 +215,15 @@ def build_parser(prog: str = PROG
 
 
 def normalize_argv(argv: Sequence[str]) -> list[str]:
-  """`--flag_name[=value]` spelled `--flag-name[=value]` (before `--`)."""
+  """The underscored flag spellings of earlier releases, hyphenated.
+
+  Args:
+    argv: The arguments.
+
+  Returns:
+    `argv` with `--flag_name[=value]` spelled `--flag-name[=value]`
+    (values and everything after `--` unchanged).
+  """
   out = []
   for i, arg in enumerate(argv):
     if arg == "--":
@@ -229,7 +237,15 @@ def normalize_argv(argv: Sequence[str]) -> list[str]:
 
 def migrate_options(args: argparse.Namespace, dests: Sequence[str]
                     ) -> dict[str, Any]:
-  """The passed-through options' values, by destination."""
+  """The `clu-ckpt migrate` options' values, for every run.
+
+  Args:
+    args: The parsed command line.
+    dests: The destinations `build_parser` returned.
+
+  Returns:
+    Value by destination (for `fleet_workers.migrate_kwargs`).
+  """
   return {d: getattr(args, d) for d in dests if hasattr(args, d)}
 
 
@@ -239,7 +255,18 @@ def migrate_options(args: argparse.Namespace, dests: Sequence[str]
 
 
 def run_merge(args: argparse.Namespace) -> int:
-  """`--merge-reports=OUTPUT PATH...`: the exit status."""
+  """`--merge-reports=OUT REPORT...`: merges shard reports into OUT.
+
+  Args:
+    args: The parsed command line.
+
+  Returns:
+    The exit status: 0 when every run of the fleet is ok and no shard is
+    missing, else 1.
+
+  Raises:
+    UsageError: Sources or `--report` given too, or unreadable reports.
+  """
   if args.sources or args.source_glob or args.sources_file or args.report:
     raise UsageError("--merge-reports=OUT writes OUT from the reports given "
                      "as arguments; it takes no sources and no --report")
@@ -323,7 +350,15 @@ class _Shard:
 
 def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
                dry_run: bool) -> None:
-  """The skipped paths (always), and the runs (dry run: "would migrate")."""
+  """Prints the skipped paths (always), and the runs on a dry run.
+
+  Args:
+    plan: The fleet's plan.
+    runs: This shard's runs.
+    out: Where to print.
+    dry_run: Also print each run ("would migrate ...", or "cannot
+      migrate ..." with its error).
+  """
   for s in plan.skipped:
     print(f"skipped {s.path}: {s.reason}", file=out)
   if not dry_run:

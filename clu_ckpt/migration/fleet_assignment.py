@@ -67,7 +67,17 @@ def _now() -> str:
 
 
 def read_recorded_root(destination_root: str) -> Optional[str]:
-  """The source root recorded in `destination_root`, or None."""
+  """The source root a destination root records (`FLEET_FILE`).
+
+  Args:
+    destination_root: The fleet's destination root (local or a URL).
+
+  Returns:
+    The recorded source root, or None when nothing is recorded yet.
+
+  Raises:
+    UsageError: The record is unreadable or not a fleet record.
+  """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   path = join_path(destination_root, FLEET_FILE)
   try:
@@ -84,6 +94,13 @@ def read_recorded_root(destination_root: str) -> Optional[str]:
 
 def record_root(destination_root: str, source_root: str) -> None:
   """Records `source_root` in `destination_root` unless one is recorded.
+
+  Made with an exclusive create: of shards starting together, the first
+  records, the others read what it recorded.
+
+  Args:
+    destination_root: The fleet's destination root (made if missing).
+    source_root: The absolute source root this command uses.
 
   Raises:
     UsageError: Another source root is recorded (a concurrent shard wrote
@@ -162,6 +179,13 @@ def assign_destinations(runs: Sequence[Run], source_root: str,
                         destination_root: str) -> None:
   """Sets each run's destination: `<destination_root>/<source - root>`.
 
+  Checks the whole fleet before anything is written.
+
+  Args:
+    runs: The plan's runs; their `destination` is set.
+    source_root: The absolute source root (`choose_source_root`).
+    destination_root: The fleet's destination root, as given.
+
   Raises:
     UsageError: A run outside the source root (or the root itself), two
       runs with one destination, a destination inside another, or a
@@ -203,6 +227,13 @@ def shard_of(source: str, num_shards: int) -> int:
 
   The same on every machine and Python process (unlike `hash`), and
   independent of the other sources.
+
+  Args:
+    source: A run's source path, as listed.
+    num_shards: The shard count (>= 1).
+
+  Returns:
+    Its shard index, in [0, num_shards).
   """
   digest = hashlib.sha256(source.encode("utf-8")).digest()
   return int.from_bytes(digest[:8], "big") % num_shards
@@ -210,7 +241,16 @@ def shard_of(source: str, num_shards: int) -> int:
 
 def shard_sources(sources: Sequence[str], num_shards: int,
                   shard_index: int) -> list[str]:
-  """The sources of shard `shard_index` of `num_shards`, sorted."""
+  """The sources one shard migrates.
+
+  Args:
+    sources: Every run's source path (the whole fleet).
+    num_shards: The shard count.
+    shard_index: The shard.
+
+  Returns:
+    The sources whose `shard_of` is `shard_index`, sorted.
+  """
   return sorted(s for s in sources if shard_of(s, num_shards) == shard_index)
 
 

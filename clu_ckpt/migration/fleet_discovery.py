@@ -49,13 +49,28 @@ _FLAX_TRAINING_RE = re.compile(r"^checkpoint_\d+$")
 
 
 def split_url(path: str) -> tuple[str, str]:
-  """("gs://", "bucket/key") of a URL; ("", path) of a local path."""
+  """A path's scheme and the rest.
+
+  Args:
+    path: A local path or a URL.
+
+  Returns:
+    ("gs://", "bucket/key") for a URL; ("", path) for a local path.
+  """
   m = _URL_RE.match(path)
   return (m.group(0), path[m.end():]) if m else ("", path)
 
 
 def normalize_path(path: str) -> str:
-  """A local path normalized; a URL with its key normalized (`//`, `..`)."""
+  """`path` spelled one way (the key of the plan's comparisons).
+
+  Args:
+    path: A local path (relative ones stay relative) or a URL.
+
+  Returns:
+    A local path through `os.path.normpath`; a URL with its scheme
+    lower-cased and its key normalized (`//`, `..`, a trailing slash).
+  """
   scheme, rest = split_url(path)
   if not scheme:
     return os.path.normpath(path)
@@ -63,17 +78,43 @@ def normalize_path(path: str) -> str:
 
 
 def absolute_path(path: str) -> str:
+  """`path` made absolute against the current directory (a URL: as is).
+
+  Args:
+    path: A local path or a URL.
+
+  Returns:
+    The absolute path, or the URL.
+  """
   return path if split_url(path)[0] else os.path.abspath(path)
 
 
 def join_path(root: str, relative: str) -> str:
+  """`relative` under `root`, with the separator of `root`'s kind.
+
+  Args:
+    root: A local directory or a URL.
+    relative: A relative path ("/"-separated for a URL).
+
+  Returns:
+    The joined path.
+  """
   if split_url(root)[0]:
     return f"{root.rstrip('/')}/{relative}"
   return os.path.join(root, relative)
 
 
 def relative_path(path: str, root: str) -> Optional[str]:
-  """`path` relative to `root` (both absolute), or None if not inside it."""
+  """`path` relative to `root`, when it is strictly inside it.
+
+  Args:
+    path: An absolute path or a URL.
+    root: An absolute path or a URL.
+
+  Returns:
+    The relative path, or None when `path` is `root` itself, outside it,
+    or on another store.
+  """
   (s1, p1), (s2, p2) = split_url(path), split_url(root)
   if s1 != s2:
     return None
@@ -85,6 +126,14 @@ def relative_path(path: str, root: str) -> Optional[str]:
 
 
 def parent_path(path: str) -> str:
+  """The directory holding `path`.
+
+  Args:
+    path: A local path or a URL.
+
+  Returns:
+    Its parent (a URL keeps its scheme).
+  """
   scheme, rest = split_url(path)
   return scheme + (posixpath if scheme else os.path).dirname(rest)
 
@@ -96,7 +145,11 @@ def _has_wildcard(component: str) -> bool:
 def glob_prefix(pattern: str) -> str:
   """The directory above the first wildcard of `pattern` (its parent if none).
 
-  `/runs/*/checkpoints` -> `/runs`; `gs://b/x/run-*` -> `gs://b/x`.
+  Args:
+    pattern: A glob, e.g. `/runs/*/checkpoints` or `gs://b/x/run-*`.
+
+  Returns:
+    The directory, e.g. `/runs` or `gs://b/x`: the default source root.
   """
   scheme, rest = split_url(normalize_path(pattern))
   parts = rest.split("/")

@@ -49,7 +49,14 @@ FINISHED = ("ok", "failed", "error")
 
 
 def format_bytes(nbytes: float) -> str:
-  """`1288490188` -> "1.2 GiB" (binary units throughout)."""
+  """A size in binary units, as every fleet line shows sizes.
+
+  Args:
+    nbytes: A byte count.
+
+  Returns:
+    E.g. "512 B", "1.2 GiB" (`1288490188`).
+  """
   units = ("B", "KiB", "MiB", "GiB", "TiB")
   scale = 0
   while nbytes >= 1024 and scale < len(units) - 1:
@@ -59,7 +66,14 @@ def format_bytes(nbytes: float) -> str:
 
 
 def format_seconds(seconds: float) -> str:
-  """`35` -> "35 s", `130` -> "2 min", `4000` -> "1 h 7 min"."""
+  """A duration, rounded as a person reads it.
+
+  Args:
+    seconds: The duration.
+
+  Returns:
+    "35 s" (`35`), "2 min" (`130`), "1 h 7 min" (`4000`).
+  """
   if seconds < 60:
     return f"{seconds:.0f} s"
   minutes = round(seconds / 60)
@@ -68,7 +82,15 @@ def format_seconds(seconds: float) -> str:
 
 
 def describe_run(entry: Mapping[str, Any]) -> str:
-  """`source status (steps, bytes written, seconds)[: error]` of a run."""
+  """A finished run in one line.
+
+  Args:
+    entry: Its report entry ("source", "status", "seconds", "summary",
+      "error").
+
+  Returns:
+    `source status (steps, bytes written, seconds)[: error]`.
+  """
   details = _step_details((entry.get("summary") or {}).get("steps"))
   details.append(format_seconds(entry.get("seconds", 0)))
   note = f": {entry['error']}" if entry.get("error") else ""
@@ -110,7 +132,12 @@ class ProgressPrinter:
     self._pending_newline = False
 
   def run_done(self, entry: Mapping[str, Any], nbytes: int = 0) -> None:
-    """Reports one finished run (of `nbytes` source bytes)."""
+    """Prints one finished run and the totals so far.
+
+    Args:
+      entry: The run's report entry.
+      nbytes: Its source bytes (counted into the totals and the ETA).
+    """
     self._done += 1
     if entry["status"] in FINISHED:
       self._done_bytes += nbytes
@@ -163,7 +190,15 @@ def now() -> str:
 
 
 def count_statuses(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-  """{"ok": n, "failed": n, "error": n, ...other statuses present} of runs."""
+  """How many runs have each status.
+
+  Args:
+    runs: Report entries.
+
+  Returns:
+    {"ok": n, "failed": n, "error": n} and every other status present
+    ("interrupted", "pending").
+  """
   counts = {s: 0 for s in FINISHED}
   for r in runs:
     counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -171,7 +206,12 @@ def count_statuses(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def write_report(path: str, report: Mapping[str, Any]) -> None:
-  """Writes `report` as JSON, atomically (a reader never sees half of it)."""
+  """Writes a report as JSON, atomically (a reader never sees half of it).
+
+  Args:
+    path: A local path or a bucket URL.
+    report: The report.
+  """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   with storage.atomic_writer(path) as write:
     write(json.dumps(report, indent=1).encode("utf-8"))
@@ -179,6 +219,11 @@ def write_report(path: str, report: Mapping[str, Any]) -> None:
 
 def prepare_report(path: str) -> None:
   """Checks that a report can be written at `path`, making its directory.
+
+  Called before any work, so that a fleet never ends without its report.
+
+  Args:
+    path: `--report` (local, or a bucket URL: only its directory is made).
 
   Raises:
     UsageError: It cannot (a directory there, no permission, ...).
@@ -236,8 +281,8 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
     The merged report: every run with its "shard", every skipped path, the
     shard reports merged ("merged_from"; a merged report given as input
     stands for the shard reports it merged), the shards missing (when all
-    agree on the shard count), counts, "complete" (every report was) and "ok" (every run ok,
-    no shard missing, no run of the fleet missing).
+    agree on the shard count), counts, "complete" (every report was) and
+    "ok" (every run ok, no shard missing, no run of the fleet missing).
 
   Raises:
     UsageError: No reports, or reports of different destination roots.

@@ -78,8 +78,15 @@ _SAME = ("step_naming", "state_host", "compression", "verify", "step_prefix",
 def migrate_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
   """`migration.migrate` keywords from `clu-ckpt migrate`'s option values.
 
+  Args:
+    options: Option values by destination (`fleet.migrate_options`).
+
+  Returns:
+    The keywords for `clu_ckpt.migration.migrate` (but `template`, which
+    each worker loads once).
+
   Raises:
-    UsageError: An option this script does not know how to pass (a newer
+    UsageError: An option the fleet does not know how to pass (a newer
       `clu-ckpt migrate` option), given a value other than its default.
   """
   known = set(_SAME) | {"checkpoints", "numbers", "max_inflight_mib",
@@ -384,7 +391,14 @@ class WorkerPool:
     self._failed_starts = 0
 
   def stop(self, signum: int) -> None:
-    """A stop request (signal handler): the first stops, the second kills."""
+    """A stop request (from a signal handler).
+
+    The first starts no new run and interrupts the runs under way (each
+    worker gets SIGINT); the second kills the workers at once.
+
+    Args:
+      signum: The signal (its number is the exit status, + 128).
+    """
     if self.stop_signal is not None:
       self.kill()
       return
@@ -403,7 +417,11 @@ class WorkerPool:
       w.signal(signal.SIGKILL)
 
   def run(self) -> None:
-    """Migrates every run (or until stopped)."""
+    """Migrates every run, until done or stopped; `on_entry` per run.
+
+    Returns when no run is under way any more; the workers have then
+    exited (or been killed after 10 s).
+    """
     try:
       while True:
         self._dispatch()
