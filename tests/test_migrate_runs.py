@@ -117,6 +117,13 @@ def test_help_and_version_exit_0(tmp_path):
   assert version.returncode == 0
   assert version.stdout.strip() == (
       f"migrate_runs.py (clu-ckpt {clu_ckpt.__version__})")
+  # The same command as a module of the package.
+  module = subprocess.run(
+      [sys.executable, "-m", "clu_ckpt.migration.fleet", "--version"],
+      capture_output=True, text=True, cwd=tmp_path, env=_environment())
+  assert module.returncode == 0, module.stderr
+  assert module.stdout.strip() == (
+      f"python -m clu_ckpt.migration.fleet (clu-ckpt {clu_ckpt.__version__})")
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tree):
@@ -152,7 +159,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tree):
      "unrecognized arguments: --bogus"),
 ])
 def test_usage_errors_exit_2_with_one_line_before_any_work(tree, args,
-                                                            message):
+                                                           message):
   run = _script("--destination-root=out", *args, cwd=tree)
   assert run.returncode == 2, run.stderr
   assert len(run.stderr.strip().splitlines()) == 1, run.stderr

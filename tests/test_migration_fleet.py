@@ -152,7 +152,7 @@ def test_a_glob_matching_nothing_is_named(tree):
 def test_a_path_matched_twice_is_one_run(tree):
   del tree
   plan = fleet_discovery.plan_fleet(["runs/a/checkpoints"],
-                       ["runs/*/checkpoints", "runs/a/*"])
+                                    ["runs/*/checkpoints", "runs/a/*"])
   assert [r.source for r in plan.runs].count("runs/a/checkpoints") == 1
   assert len({s.path for s in plan.skipped}) == len(plan.skipped)
 
@@ -205,8 +205,8 @@ def test_an_unlistable_path_is_an_error_of_its_own(tree):
   (tree / "runs" / "x" / "checkpoints").symlink_to("checkpoints")
   plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])
   errors_ = {r.source: r.error for r in plan.runs if r.error}
-  assert errors_ == {"runs/x/checkpoints": "cannot list: Too many levels of "
-                                           "symbolic links"}
+  assert errors_ == {
+      "runs/x/checkpoints": "cannot list: Too many levels of symbolic links"}
   assert len(plan.runs) == 5
 
 
@@ -307,7 +307,7 @@ def _destinations(sources, root, destination_root="/orbax"):
 
 def test_a_destination_depends_on_the_run_alone():
   fleet = _destinations(["/runs/a/checkpoints", "/runs/b/checkpoints",
-                             "/runs/c/checkpoints"], "/runs")
+                         "/runs/c/checkpoints"], "/runs")
   retry = _destinations(["/runs/c/checkpoints"], "/runs")
   assert fleet["/runs/c/checkpoints"] == retry["/runs/c/checkpoints"] == (
       "/orbax/c/checkpoints")
@@ -462,9 +462,9 @@ def test_an_option_the_fleet_cannot_pass_is_refused():
 
 def test_normalize_argv():
   assert fleet.normalize_argv(["--destination_root=a_b", "--num_shards", "2",
-                            "x_y", "--", "--a_b"]) == [
-                                "--destination-root=a_b", "--num-shards",
-                                "2", "x_y", "--", "--a_b"]
+                               "x_y", "--", "--a_b"]) == [
+                                   "--destination-root=a_b", "--num-shards",
+                                   "2", "x_y", "--", "--a_b"]
 
 
 # --------------------------------------------------------------------------
@@ -600,7 +600,7 @@ def test_merge_accepts_partial_reports():
   partial["runs"].append({"source": "/r/b", "status": "interrupted"})
   partial["skipped"] = [{"path": "/r/e", "reason": "empty directory"}]
   merged = fleet_report.merge_reports([("old.json", finished),
-                             ("partial.json", partial)])
+                                       ("partial.json", partial)])
   assert [(r["source"], r["status"]) for r in merged["runs"]] == [
       ("/r/a", "ok"), ("/r/b", "interrupted")]
   assert merged["counts"] == {"ok": 1, "failed": 0, "error": 0,

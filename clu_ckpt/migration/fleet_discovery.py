@@ -322,7 +322,7 @@ def _list_bucket_slowly(pattern: str) -> dict[str, Entries]:
   result = {}
   for p in sorted(paths):
     result[normalize_path(p)] = ({n: 0 for n in storage.listdir(p)}
-                             if storage.isdir(p) else None)
+                                 if storage.isdir(p) else None)
   return result
 
 
