@@ -26,9 +26,10 @@ Synopsis::
 Every `clu-ckpt migrate` option (`--latest`, `--number`, `--step-naming`,
 `--state-host`, `--compression`, `--verify`, `--max-inflight-mib`,
 `--step-prefix`, `--step-format-fixed-length`, `--allow-other-sources`,
-`--template`) is accepted and applied to every run: the options are taken
-from `clu-ckpt migrate`'s own parser. Flags are spelled with hyphens; the
-underscored spellings (`--destination_root`) are accepted too.
+`--template`) is accepted and applied to every run: both commands take
+them from `clu_ckpt.cli.add_migrate_options`, their one definition. Flags
+are spelled with hyphens; the underscored spellings (`--destination_root`)
+are accepted too.
 
 The command line of `migration/migrate_runs.py` (also `python -m
 clu_ckpt.migration.fleet`); `main(argv)` runs it in-process. Its parts:
@@ -36,7 +37,9 @@ clu_ckpt.migration.fleet`); `main(argv)` runs it in-process. Its parts:
 `fleet_workers` (the worker processes), `fleet_report` (progress, reports).
 
 Finding the runs (`fleet_discovery`): every path a `--source-glob` matches
-is a run or is listed as skipped with its reason. A glob or path naming a
+is a run or is listed as skipped with its reason (a path that cannot be
+listed, or a multihost run with a gap in its hosts, is a run with an
+error, never a skip; a run named twice is one run). A glob or path naming a
 `MultihostCheckpoint` base covers its `<base>-<int>` host directories, and
 a glob matching host directories covers their base. A glob that matches
 nothing is an error naming it. In a bucket, each glob costs one listing.
@@ -78,7 +81,7 @@ Without `--shard-index`, the index is read from `JOB_COMPLETION_INDEX`
 (Kubernetes indexed Jobs) when `--num-shards` is above 1.
 
 Progress: one line per finished run, e.g. `[3/12] /runs/a/checkpoints ok
-(4 steps, 1.2 GiB, 35 s); 3.4 GiB of 9.0 GiB, 0 failed, ETA 2 min`; on a
+(4 steps, 1.2 GiB, 35 s); 3.4 GiB of 9.0 GiB, 0 failures, ETA 2 min`; on a
 terminal, one line rewritten in place (runs not ok keep their line).
 
 Exit status: 0 when every run (of the shard, or of the merged fleet, with no
