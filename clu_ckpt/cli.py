@@ -451,6 +451,9 @@ def load_template(spec: str) -> Any:
 
 def _run_migrate(args: argparse.Namespace) -> int:
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  # The migration's modules, before `--template` puts the current directory
+  # first on sys.path (`clu_ckpt.migration` imports them on first use).
+  migrate = migration.migrate
   if args.template is not None and not TEMPLATE_SPEC.match(args.template):
     print(f"clu-ckpt migrate: error: --template {args.template!r}: expected "
           "MODULE:FUNCTION", file=sys.stderr)
@@ -466,7 +469,7 @@ def _run_migrate(args: argparse.Namespace) -> int:
       return 1
   report = progress.MigrationReport(sys.stderr, sys.stderr.isatty())
   try:
-    summary = migration.migrate(
+    summary = migrate(
         args.source,
         args.destination,
         checkpoints=args.numbers or args.checkpoints,

@@ -204,7 +204,8 @@ def fixture_clu_fleet(tmp_path_factory):
   MultihostCheckpoint (hosts only); runs/f/checkpoints Flax's own
   `flax.training.checkpoints` files; runs/e/checkpoints empty. Migrated at
   --parallelism=1 with a template killing the first run's worker, the
-  report in a directory that does not exist yet.
+  report in a directory that does not exist yet, from a directory holding
+  a `numpy.py`.
 
   Returns:
     (directory, completed process, report).
@@ -231,6 +232,10 @@ def fixture_clu_fleet(tmp_path_factory):
   (root / "runs" / "e" / "checkpoints").mkdir(parents=True)
   (root / "killer.py").write_text(_KILLER)
   (root / "kill-once").write_text("")
+  # A module of the operator's directory does not shadow a library in the
+  # fleet's processes (only `--template` imports from there).
+  (root / "numpy.py").write_text("raise ImportError('numpy.py of the "
+                                 "current directory imported')\n")
   run = _script("--source-glob=runs/*/checkpoints", "--destination-root=orbax",
                 "--report=reports/new/report.json", "--parallelism=1",
                 "--template=killer:template", "--step_naming=state",

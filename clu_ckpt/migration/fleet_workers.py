@@ -57,10 +57,11 @@ STOP_SECONDS = 30.0
 _MAX_FAILED_STARTS = 3
 _MIB = 2**20
 # The worker's command line after the interpreter. `-c`, not `-m`: the
-# current directory (first on sys.path with either) is removed before
-# anything is imported, so a file there cannot shadow a library.
+# current directory ("" first on sys.path with either, unless
+# PYTHONSAFEPATH) is removed before anything is imported, so a file there
+# cannot shadow a library.
 WORKER_ARGS = (
-    "-c", "import sys; del sys.path[0]; "
+    "-c", "import sys; sys.path[:1] = [p for p in sys.path[:1] if p]; "
     "from clu_ckpt.migration import fleet_workers; "
     "sys.exit(fleet_workers.worker_main())", "--worker")
 
@@ -229,10 +230,13 @@ def worker_main() -> int:
     options = json.loads(sys.stdin.readline() or "{}").get("options", {})
     if not os.environ.get("CLU_CKPT_FLEET_VERBOSE"):
       _quiet_libraries()
-    # Imported once, before the first run: a worker that cannot import it
-    # dies before taking a run (and the fleet gives up after a few).
+    # The migration's modules (`clu_ckpt.migration` imports them on first
+    # use), imported once, before the first run: a worker that cannot
+    # import them dies before taking a run (and the fleet gives up after a
+    # few), and a `--template` putting the current directory first on
+    # sys.path cannot shadow what they import.
     # pylint: disable-next=g-import-not-at-top,unused-import
-    from clu_ckpt import migration
+    from clu_ckpt.migration import run
     results.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
       if worker.stopped:
