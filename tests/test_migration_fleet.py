@@ -222,6 +222,22 @@ def test_host_directories_with_a_gap_are_an_error(tree):
        "restore it, or migrate the hosts found with clu-ckpt migrate")]
 
 
+def test_a_recursive_glob_finds_runs_at_every_depth(tree):
+  """`**` (as in a shell with globstar) matched one level only: the runs
+  deeper down were left out without a word."""
+  clu_dir(tree, "runs/team/x/checkpoints")
+  for host in (0, 1):
+    clu_dir(tree, f"runs/team/y/deep/checkpoints-{host}")
+  runs, _ = _summary(fleet_discovery.plan_fleet([], ["runs/**/checkpoints"]))
+  assert [r[:2] for r in runs] == [
+      ("runs/a/checkpoints", "Checkpoint"),
+      ("runs/b/checkpoints", "Checkpoint"),
+      ("runs/f/checkpoints", "flax_training"),
+      ("runs/m/checkpoints", "MultihostCheckpoint"),
+      ("runs/team/x/checkpoints", "Checkpoint"),
+      ("runs/team/y/deep/checkpoints", "MultihostCheckpoint")]
+
+
 def test_a_name_with_spaces_and_glob_characters(tree):
   clu_dir(tree, "runs/my run [1]/checkpoints")
   named = fleet_discovery.plan_fleet(["runs/my run [1]/checkpoints"], [])
@@ -281,6 +297,22 @@ def test_one_bucket_listing_per_glob(gcs, monkeypatch):
        [f"{base}/m/checkpoints-0", f"{base}/m/checkpoints-1"])]
   assert [(s.path, s.reason.split(" (")[0]) for s in plan.skipped] == [
       (f"{base}/o/checkpoints", "not a checkpoint directory")]
+
+
+def test_a_recursive_glob_in_a_bucket(gcs):
+  bucket = gcs.bucket()
+  fs = gcs.fs()
+  for name in ["runs/a/checkpoints/checkpoint",
+               "runs/team/x/checkpoints/ckpt-1.flax",
+               "runs/team/y/deep/checkpoints-0/checkpoint",
+               "runs/team/y/deep/checkpoints-1/checkpoint"]:
+    fs.pipe_file(f"{bucket}/{name}", b"x")
+  base = f"gs://{bucket}/runs"
+  plan = fleet_discovery.plan_fleet([], [f"{base}/**/checkpoints"])
+  assert [(r.source, r.kind) for r in plan.runs] == [
+      (f"{base}/a/checkpoints", "Checkpoint"),
+      (f"{base}/team/x/checkpoints", "Checkpoint"),
+      (f"{base}/team/y/deep/checkpoints", "MultihostCheckpoint")]
 
 
 # --------------------------------------------------------------------------

@@ -161,10 +161,20 @@ def glob_prefix(pattern: str) -> str:
 
 
 def _matches(path: str, pattern: str) -> bool:
-  """Whether `path` matches the glob `pattern` component by component."""
-  a, b = normalize_path(path).split("/"), normalize_path(pattern).split("/")
-  return len(a) == len(b) and all(
-      fnmatch.fnmatchcase(x, y) for x, y in zip(a, b))
+  """Whether `path` matches the glob `pattern` component by component
+  (`**`, a whole component, matches any number of them, none included)."""
+  return _match_parts(normalize_path(path).split("/"),
+                      normalize_path(pattern).split("/"))
+
+
+def _match_parts(parts: Sequence[str], patterns: Sequence[str]) -> bool:
+  if not patterns:
+    return not parts
+  if patterns[0] == "**":
+    return any(_match_parts(parts[i:], patterns[1:])
+               for i in range(len(parts) + 1))
+  return bool(parts) and fnmatch.fnmatchcase(parts[0], patterns[0]) and (
+      _match_parts(parts[1:], patterns[1:]))
 
 
 # --------------------------------------------------------------------------
@@ -261,10 +271,12 @@ def list_candidates(pattern: str) -> dict[str, Entries]:
 
   Locally: two globs and one directory listing per path. In a bucket: one
   recursive listing under the pattern's fixed prefix, two levels deeper
-  than the pattern, matched here.
+  than the pattern (every level with `**`), matched here.
 
   Args:
-    pattern: A glob (a literal path is a glob matching itself).
+    pattern: A glob (a literal path is a glob matching itself): `*`, `?`,
+      `[...]` within a name, and `**` as a whole name for any number of
+      directories (none included), as a shell with globstar reads it.
 
   Returns:
     Normalized path -> entries (see `classify`).
@@ -272,8 +284,8 @@ def list_candidates(pattern: str) -> dict[str, Entries]:
   pattern = normalize_path(pattern)
   if split_url(pattern)[0]:
     return _list_bucket(pattern)
-  paths = set(glob.glob(pattern))
-  paths.update(p for p in glob.glob(pattern + "-[0-9]*")
+  paths = set(glob.glob(pattern, recursive=True))
+  paths.update(p for p in glob.glob(pattern + "-[0-9]*", recursive=True)
                if _HOST_DIR_RE.match(p))
   for base in {m.group("base") for m in map(_HOST_DIR_RE.match, list(paths))
                if m}:  # the other hosts of a host directory matched
@@ -290,7 +302,8 @@ def _list_bucket(pattern: str) -> dict[str, Entries]:
   if fs is None or not hasattr(fs, "find"):
     return _list_bucket_slowly(pattern)
   prefix = split_url(glob_prefix(pattern))[1].rstrip("/")
-  depth = key_pattern.count("/") - prefix.count("/") + 1
+  depth = (None if "**" in key_pattern.split("/") else
+           key_pattern.count("/") - prefix.count("/") + 1)
   found = fs.find(prefix, maxdepth=depth, withdirs=True, detail=True)
   host_pattern = key_pattern + "-[0-9]*"
   candidates: dict[str, Entries] = {}
