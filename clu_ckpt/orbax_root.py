@@ -40,7 +40,8 @@ def _iso(t: float) -> str:
       t, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-_ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+# Orbax's step metadata file (save time, items).
+STEP_METADATA = "_CHECKPOINT_METADATA"
 ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
 # The `source_kind` a migration records for Flax's `checkpoint_<step>` files
 # (`migration.plan.FLAX_TRAINING_KIND`).
@@ -277,7 +278,7 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
   rows = []
   for number in numbers:
     directory = storage.join(root, str(number))
-    meta = _read_json(storage.join(directory, _ORBAX_STEP_METADATA)) or {}
+    meta = _read_json(storage.join(directory, STEP_METADATA)) or {}
     clu = _read_json(storage.join(directory, "metadata", "metadata")) or {}
     stamp = meta.get("commit_timestamp_nsecs")
     rows.append(dict(
@@ -324,7 +325,7 @@ def _step_tree(step_dir: str, problems: list) -> dict:
     return dict(file=step_dir, source="metadata item", leaves=leaves,
                 subtrees=_subtrees(leaves, False),
                 total_bytes=sum(l["bytes"] for l in leaves), items={})
-  meta = _read_json(storage.join(step_dir, _ORBAX_STEP_METADATA)) or {}
+  meta = _read_json(storage.join(step_dir, STEP_METADATA)) or {}
   leaves, items = [], {}
   for item, handler in _step_items(step_dir, meta).items():
     item_dir = storage.join(step_dir, item)
@@ -486,9 +487,9 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
                     "(an interrupted save or migration)")
   for number in numbers:
     directory = storage.join(root, str(number))
-    meta = _read_json(storage.join(directory, _ORBAX_STEP_METADATA))
+    meta = _read_json(storage.join(directory, STEP_METADATA))
     if meta is None:
-      problems.append(f"{storage.join(directory, _ORBAX_STEP_METADATA)}: "
+      problems.append(f"{storage.join(directory, STEP_METADATA)}: "
                       "missing or not JSON")
       continue
     for item in _item_handlers(meta):
