@@ -385,6 +385,25 @@ def test_max_to_keep_counts_both_and_keeps_only_copies(tmp_path):
   assert checkpoint.Checkpoint(str(base)).latest_checkpoint is None
 
 
+def test_migrating_what_the_switch_left_names_steps_by_number(tmp_path):
+  base = tmp_path / "ck"
+  _clu_run(base, 2)  # ckpt-1 .. ckpt-3, states of step 0 .. 2
+  ckpt = orbax_ckpt(base, max_to_keep=5)
+  ckpt.restore_or_initialize(make_state(0))
+  ckpt.save(make_state(3))  # Orbax step 4
+  # The state's steps (0, 1, 2) would sit beside checkpoint numbers.
+  with pytest.raises(errors.MigrationError, match="step-naming number"):
+    migration_run.migrate(str(base), str(base), step_naming="state")
+  assert orbax_root.list_steps(str(base))[0] == [4]
+  summary = migration_run.migrate(str(base), str(base))  # "auto"
+  assert summary.ok, summary.failed
+  assert summary.step_naming == "number"
+  assert orbax_root.list_steps(str(base))[0] == [1, 2, 3, 4]
+  assert orbax_ckpt(base).latest_checkpoint == f"{base}/ckpt-4"
+  assert same_tree(orbax_ckpt(base).restore_dict(f"{base}/ckpt-2"),
+                   flax_state_dict(make_state(1)))
+
+
 # ---------------------------------------------------------------------------
 # Crash safety and containment.
 # ---------------------------------------------------------------------------

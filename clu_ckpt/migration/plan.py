@@ -328,18 +328,30 @@ def peek_step(path: str) -> tuple[Optional[int], int]:
 
 def name_steps(checkpoints: Sequence[SourceCheckpoint],
                steps: Mapping[int, Optional[int]],
-               step_naming: str = "auto") -> tuple[str, dict[int, int]]:
+               step_naming: str = "auto", *,
+               numbered_root: Optional[str] = None
+               ) -> tuple[str, dict[int, int]]:
   """Chooses the Orbax step of every checkpoint.
 
   The state's own `step` is used when every checkpoint has a non-negative
   integer one and they increase with the checkpoint number; otherwise the
   CLU checkpoint number. Flax's `checkpoint_<step>` files ("auto") keep
-  the step of their names (their number).
+  the step of their names (their number). Into a root whose steps
+  `Checkpoint(layout="orbax")` saved (`numbered_root`), steps are checkpoint
+  numbers: that run resumes from its highest step, which must be its newest
+  checkpoint, so "auto" names by number and "state" is refused.
+
+  Example::
+
+    naming, mapping = name_steps(chosen, {1: 100, 2: 200})
+    # ("state", {1: 100, 2: 200})
 
   Args:
     checkpoints: The checkpoints to migrate, oldest first.
     steps: Checkpoint number -> the state's `step` (None when it has none).
     step_naming: "auto", "state" (require the state's step) or "number".
+    numbered_root: The destination, when it holds steps saved by
+      `Checkpoint(layout="orbax")` (`is_numbered_root`); None otherwise.
 
   Returns:
     ("state" or "number", checkpoint number -> step).
@@ -351,6 +363,14 @@ def name_steps(checkpoints: Sequence[SourceCheckpoint],
     raise MigrationError(f"unknown step naming {step_naming!r}; use one of "
                          f"{', '.join(STEP_NAMINGS)}")
   numbers = [c.number for c in checkpoints]
+  if numbered_root is not None:
+    if step_naming == "state":
+      raise MigrationError(
+          f"{numbered_root} holds steps saved by Checkpoint(layout=\"orbax\"),"
+          " numbered by checkpoint number, from which that run resumes: steps "
+          "named by the state's `step` would be taken for newer checkpoints; "
+          "use --step-naming number, or another destination")
+    return "number", {n: n for n in numbers}
   if step_naming == "auto" and checkpoints and all(
       c.files is not None for c in checkpoints):
     # Flax's own files: their names carry the step, which is the number.
@@ -363,6 +383,38 @@ def name_steps(checkpoints: Sequence[SourceCheckpoint],
   if step_naming == "state":
     raise MigrationError(f"cannot name steps by the state's `step`: {problem}")
   return "number", {n: n for n in numbers}
+
+
+def is_numbered_root(destination: str, *, step_prefix: Optional[str] = None,
+                     step_format_fixed_length: Optional[int] = None) -> bool:
+  """Whether `destination`'s newest step was saved by
+  `Checkpoint(layout="orbax")` (steps numbered by checkpoint number).
+
+  Example::
+
+    is_numbered_root("/runs/a/checkpoints")   # True for a forward-layout run
+
+  Args:
+    destination: An Orbax root (it need not exist).
+    step_prefix: As in `CheckpointManagerOptions`.
+    step_format_fixed_length: As in `CheckpointManagerOptions`.
+
+  Returns:
+    True when the newest step's migration metadata names that writer.
+  """
+  from clu_ckpt import orbax_read  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
+  if not storage.isdir(destination):
+    return False
+  found, _ = orbax_root.list_steps(
+      destination, step_prefix=step_prefix,
+      step_format_fixed_length=step_format_fixed_length)
+  if not found:
+    return False
+  meta = orbax_read.migration_metadata(storage.join(
+      destination, orbax_root.step_name(found[-1], step_prefix,
+                                        step_format_fixed_length)))
+  return bool(meta) and meta.get("writer") == orbax_read.CHECKPOINT_WRITER
 
 
 def _state_steps_problem(numbers: Sequence[int],

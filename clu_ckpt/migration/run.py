@@ -239,7 +239,12 @@ def migrate(source: str,
       results[ckpt.number] = StepResult(ckpt.number, None, "failed",
                                         error=describe_error(e))
   try:
-    naming, mapping = plan.name_steps(usable, steps, step_naming)
+    numbered = plan.is_numbered_root(
+        destination, step_prefix=step_prefix,
+        step_format_fixed_length=step_format_fixed_length)
+    naming, mapping = plan.name_steps(
+        usable, steps, step_naming,
+        numbered_root=destination if numbered else None)
     notify = _with_plan(notify, len(chosen), sizes)
     for number, result in results.items():
       notify(Progress("failed", number, result.step, message=result.error))
