@@ -592,6 +592,65 @@ def test_multihost_single_process_resumes_into_the_base_root(tmp_path):
     checkpoint.MultihostCheckpoint(str(base), host_id=1, layout="orbax")
 
 
+_PLAIN_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=sys.argv[2],
+                               num_processes=2, process_id=int(sys.argv[1]))
+    import numpy as np
+    from clu_ckpt import checkpoint, errors
+
+    me = jax.process_index()
+    out = {"host": me}
+    # CLU's pattern: a plain Checkpoint saved by process 0 alone, and one
+    # per host in its own directory.
+    ckpt = checkpoint.Checkpoint(f"{sys.argv[3]}/{me}", layout="orbax")
+    if me == 0 or sys.argv[4] == "each":
+      try:
+        ckpt.save({"w": np.ones(3, np.float32)})
+        out["saved"] = True
+      except errors.UsageError as e:
+        out["refused"] = str(e)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.parametrize("who", ["first", "each"])
+def test_plain_checkpoint_in_a_multi_process_job_is_refused_not_hung(
+    tmp_path, who):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  script = tmp_path / "plain.py"
+  script.write_text(_PLAIN_SCRIPT)
+  env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}",
+             JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  procs = [subprocess.Popen(
+      [sys.executable, str(script), str(i), f"127.0.0.1:{port}",
+       str(tmp_path / "ck"), who], stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+           for i in range(2)]
+  results = {}
+  for proc in procs:
+    try:
+      out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      pytest.fail(f"a plain Checkpoint's save hung ({who})")
+    assert proc.returncode == 0, err[-3000:]
+    line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT "):])
+    results[result["host"]] = result
+  savers = [0, 1] if who == "each" else [0]
+  for host in savers:
+    assert "saved" not in results[host]
+    assert "MultihostCheckpoint" in results[host]["refused"]
+    assert str(tmp_path / "ck" / str(host)) in results[host]["refused"]
+  assert not any((tmp_path / "ck").glob("*/*"))  # nothing written
+
+
 @pytest.mark.thorough
 def test_multihost_resumes_across_the_switch_with_each_hosts_iterator(
     tmp_path):
