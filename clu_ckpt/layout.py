@@ -511,13 +511,3 @@ def restorable(latest: Optional[str],
                       "restoring %s instead", latest, path)
       return path
   return latest
-  parts = split_checkpoint(latest)
-  if parts is None:
-    return latest
-  for path in reversed(state.managed_checkpoints()):
-    number = checkpoint_number(path, parts[0])
-    if number is not None and number < parts[1] and has_files(path, listing):
-      logging.warning("Files of the latest checkpoint %s are missing; "
-                      "restoring %s instead", latest, path)
-      return path
-  return latest

@@ -532,18 +532,21 @@ _HOST_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_hosts(tmp_path, base, count=2, timeout=300) -> dict:
+def _run_hosts(tmp_path, base, count=2, timeout=300, script=_HOST_SCRIPT,
+               args=()) -> dict:
+  """Runs `script` in `count` jax.distributed processes on localhost
+  (argv: process id, coordinator, `base`, *args); each prints RESULT json."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  script = tmp_path / "host.py"
-  script.write_text(_HOST_SCRIPT)
+  path = tmp_path / "host.py"
+  path.write_text(script)
   env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}",
              JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   procs = [subprocess.Popen(
-      [sys.executable, str(script), str(i), f"127.0.0.1:{port}", str(base)],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-      cwd=tmp_path) for i in range(count)]
+      [sys.executable, str(path), str(i), f"127.0.0.1:{port}", str(base),
+       *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=env, cwd=tmp_path) for i in range(count)]
   results = {}
   for proc in procs:
     try:
@@ -551,7 +554,7 @@ def _run_hosts(tmp_path, base, count=2, timeout=300) -> dict:
     except subprocess.TimeoutExpired:
       for p in procs:
         p.kill()
-      pytest.fail("multi-host save timed out")
+      pytest.fail("the processes timed out (a save waiting forever?)")
     assert proc.returncode == 0, err[-3000:]
     line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
     result = json.loads(line[len("RESULT "):])
@@ -619,30 +622,8 @@ _PLAIN_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("who", ["first", "each"])
 def test_plain_checkpoint_in_a_multi_process_job_is_refused_not_hung(
     tmp_path, who):
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  script = tmp_path / "plain.py"
-  script.write_text(_PLAIN_SCRIPT)
-  env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}",
-             JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  procs = [subprocess.Popen(
-      [sys.executable, str(script), str(i), f"127.0.0.1:{port}",
-       str(tmp_path / "ck"), who], stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-           for i in range(2)]
-  results = {}
-  for proc in procs:
-    try:
-      out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      pytest.fail(f"a plain Checkpoint's save hung ({who})")
-    assert proc.returncode == 0, err[-3000:]
-    line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
-    result = json.loads(line[len("RESULT "):])
-    results[result["host"]] = result
+  results = _run_hosts(tmp_path, tmp_path / "ck", timeout=120,
+                       script=_PLAIN_SCRIPT, args=(who,))
   savers = [0, 1] if who == "each" else [0]
   for host in savers:
     assert "saved" not in results[host]
