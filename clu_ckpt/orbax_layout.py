@@ -54,7 +54,6 @@ from absl import logging
 from clu_ckpt import __version__
 from clu_ckpt import errors
 from clu_ckpt import layout
-from clu_ckpt import orbax_read
 from clu_ckpt import orbax_root
 from clu_ckpt import storage
 
@@ -64,7 +63,7 @@ ORBAX = "orbax"
 LAYOUTS = (CLU, ORBAX)
 # `metadata["writer"]` of a step `Checkpoint.save` wrote (a migration's
 # steps have none).
-WRITER = orbax_read.CHECKPOINT_WRITER
+WRITER = orbax_root.CHECKPOINT_WRITER
 # The state's arrays are stored uncompressed, as the `.flax` file holds them:
 # the save must be as fast as the CLU layout's (benchmarks/bench_checkpoint.py
 # `save_orbax`); `clu-ckpt migrate --compression none` writes the same.

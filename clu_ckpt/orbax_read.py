@@ -41,9 +41,6 @@ STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
 # The `format` the migration records in its metadata item (its prefix).
 MIGRATION_FORMAT = "clu_ckpt.migration/"
-# `metadata["writer"]` of a step `Checkpoint(layout="orbax")` saved: its
-# steps are CLU checkpoint numbers (a migration's steps name no writer).
-CHECKPOINT_WRITER = "clu_ckpt.checkpoint"
 # Orbax's key types in `_METADATA` (`tree_metadata` ... `key_type`).
 _SEQUENCE_KEY = 1
 # Value types stored as TensorStore arrays, and restored as Python scalars.

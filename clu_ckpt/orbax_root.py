@@ -42,6 +42,9 @@ def _iso(t: float) -> str:
 
 # Orbax's step metadata file (save time, items).
 STEP_METADATA = "_CHECKPOINT_METADATA"
+# `metadata["writer"]` of a step `Checkpoint(layout="orbax")` saved: its
+# steps are CLU checkpoint numbers (a migration's steps name no writer).
+CHECKPOINT_WRITER = "clu_ckpt.checkpoint"
 ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
 # The `source_kind` a migration records for Flax's `checkpoint_<step>` files
 # (`migration.plan.FLAX_TRAINING_KIND`).
@@ -578,3 +581,33 @@ def _compare_with_source(step_dir: str, src, problems: list) -> None:
     if got != expected:
       problems.append(f"{step_dir}: leaves differ from {flax_path} (paths, "
                       "dtypes or shapes)")
+
+
+def saved_by_checkpoint(root: str, *, step_prefix: Optional[str] = None,
+                        step_format_fixed_length: Optional[int] = None
+                        ) -> bool:
+  """Whether `root`'s newest step was saved by `Checkpoint(layout="orbax")`
+  (its steps are CLU checkpoint numbers, from which that run resumes).
+
+  Example::
+
+    saved_by_checkpoint("/runs/a/checkpoints")   # True for such a run
+
+  Args:
+    root: An Orbax root (it need not exist).
+    step_prefix: As in `CheckpointManagerOptions`.
+    step_format_fixed_length: As in `CheckpointManagerOptions`.
+
+  Returns:
+    True when the newest step's `metadata` item names that writer.
+  """
+  if not storage.isdir(root):
+    return False
+  steps, _ = list_steps(root, step_prefix=step_prefix,
+                        step_format_fixed_length=step_format_fixed_length)
+  if not steps:
+    return False
+  meta = _read_json(storage.join(
+      root, step_name(steps[-1], step_prefix, step_format_fixed_length),
+      "metadata", "metadata")) or {}
+  return meta.get("writer") == CHECKPOINT_WRITER

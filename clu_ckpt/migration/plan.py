@@ -351,7 +351,8 @@ def name_steps(checkpoints: Sequence[SourceCheckpoint],
     steps: Checkpoint number -> the state's `step` (None when it has none).
     step_naming: "auto", "state" (require the state's step) or "number".
     numbered_root: The destination, when it holds steps saved by
-      `Checkpoint(layout="orbax")` (`is_numbered_root`); None otherwise.
+      `Checkpoint(layout="orbax")` (`orbax_root.saved_by_checkpoint`); None
+      otherwise.
 
   Returns:
     ("state" or "number", checkpoint number -> step).
@@ -383,38 +384,6 @@ def name_steps(checkpoints: Sequence[SourceCheckpoint],
   if step_naming == "state":
     raise MigrationError(f"cannot name steps by the state's `step`: {problem}")
   return "number", {n: n for n in numbers}
-
-
-def is_numbered_root(destination: str, *, step_prefix: Optional[str] = None,
-                     step_format_fixed_length: Optional[int] = None) -> bool:
-  """Whether `destination`'s newest step was saved by
-  `Checkpoint(layout="orbax")` (steps numbered by checkpoint number).
-
-  Example::
-
-    is_numbered_root("/runs/a/checkpoints")   # True for a forward-layout run
-
-  Args:
-    destination: An Orbax root (it need not exist).
-    step_prefix: As in `CheckpointManagerOptions`.
-    step_format_fixed_length: As in `CheckpointManagerOptions`.
-
-  Returns:
-    True when the newest step's migration metadata names that writer.
-  """
-  from clu_ckpt import orbax_read  # pylint: disable=g-import-not-at-top
-  from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
-  if not storage.isdir(destination):
-    return False
-  found, _ = orbax_root.list_steps(
-      destination, step_prefix=step_prefix,
-      step_format_fixed_length=step_format_fixed_length)
-  if not found:
-    return False
-  meta = orbax_read.migration_metadata(storage.join(
-      destination, orbax_root.step_name(found[-1], step_prefix,
-                                        step_format_fixed_length)))
-  return bool(meta) and meta.get("writer") == orbax_read.CHECKPOINT_WRITER
 
 
 def _state_steps_problem(numbers: Sequence[int],

@@ -33,6 +33,7 @@ from clu_ckpt import __version__
 from clu_ckpt import errors
 from clu_ckpt import flax_format
 from clu_ckpt import layout
+from clu_ckpt import orbax_root
 from clu_ckpt import storage
 from clu_ckpt.migration import codec
 from clu_ckpt.migration import destination as destination_lib
@@ -239,7 +240,7 @@ def migrate(source: str,
       results[ckpt.number] = StepResult(ckpt.number, None, "failed",
                                         error=describe_error(e))
   try:
-    numbered = plan.is_numbered_root(
+    numbered = orbax_root.saved_by_checkpoint(
         destination, step_prefix=step_prefix,
         step_format_fixed_length=step_format_fixed_length)
     naming, mapping = plan.name_steps(
