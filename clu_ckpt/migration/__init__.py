@@ -58,6 +58,14 @@ The package's modules, each owning one part:
 - `destination`: the destination's lock and manifest (a fleet's safety).
 - `verify`: comparing a step with its source, and hosts with each other.
 - `run`: `migrate`, its results, `restore_state`.
+- `fleet` (the command of `migration/migrate_runs.py`), over
+  `fleet_discovery` (which runs), `fleet_assignment` (destinations,
+  shards), `fleet_workers` (worker processes) and `fleet_report`
+  (progress, reports): many runs at once.
+
+The names below are imported from their modules when first used, so that
+importing the package (or one of its modules, such as the fleet's) costs
+nothing until the migration itself is needed.
 """
 
 import importlib
