@@ -238,6 +238,17 @@ def test_a_recursive_glob_finds_runs_at_every_depth(tree):
       ("runs/team/y/deep/checkpoints", "MultihostCheckpoint")]
 
 
+def test_a_host_like_directory_beside_a_run_is_a_run(tree):
+  """`runs/a/checkpoints` is a run and `runs/a/checkpoints-0` another: a
+  glob matching only the latter made it a host of the former, so the former
+  (not matched) would have been migrated and the latter left out."""
+  clu_dir(tree, "runs/a/checkpoints-0")
+  runs, skipped = _summary(
+      fleet_discovery.plan_fleet([], ["runs/a/checkpoints-*"]))
+  assert runs == [("runs/a/checkpoints-0", "Checkpoint", [], None)]
+  assert not skipped
+
+
 def test_a_name_with_spaces_and_glob_characters(tree):
   clu_dir(tree, "runs/my run [1]/checkpoints")
   named = fleet_discovery.plan_fleet(["runs/my run [1]/checkpoints"], [])
@@ -313,6 +324,11 @@ def test_a_recursive_glob_in_a_bucket(gcs):
       (f"{base}/a/checkpoints", "Checkpoint"),
       (f"{base}/team/x/checkpoints", "Checkpoint"),
       (f"{base}/team/y/deep/checkpoints", "MultihostCheckpoint")]
+  # A host-like directory beside a run (as locally): a run of its own.
+  fs.pipe_file(f"{bucket}/runs/a/checkpoints-0/checkpoint", b"x")
+  plan = fleet_discovery.plan_fleet([], [f"{base}/a/checkpoints-*"])
+  assert [(r.source, r.kind) for r in plan.runs] == [
+      (f"{base}/a/checkpoints-0", "Checkpoint")]
 
 
 # --------------------------------------------------------------------------
@@ -483,6 +499,24 @@ def test_every_migrate_option_is_accepted():
   latest = parser.parse_args(["--checkpoints=latest"])
   assert fleet_workers.migrate_kwargs(fleet.migrate_options(latest, dests))[
       "checkpoints"] == "latest"
+
+
+def test_host_directories_skipped_are_one_line_when_migrating(tree):
+  """A glob matching host directories (`checkpoints-*`) of a big fleet
+  would print a line for every host before the first run: one line says
+  how many (the dry run and the report list each)."""
+  clu_dir(tree, "runs/g/checkpoints-0")
+  plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints-*"])
+  out = io.StringIO()
+  fleet.print_plan(plan, plan.runs, out, dry_run=False)
+  assert out.getvalue().splitlines() == [
+      "skipped 3 host directories of the runs listed (each in the report)"]
+  out = io.StringIO()
+  fleet.print_plan(plan, plan.runs, out, dry_run=True)
+  assert out.getvalue().splitlines()[:3] == [
+      "skipped runs/g/checkpoints-0: host directory of runs/g/checkpoints",
+      "skipped runs/m/checkpoints-0: host directory of runs/m/checkpoints",
+      "skipped runs/m/checkpoints-1: host directory of runs/m/checkpoints"]
 
 
 def test_an_option_the_fleet_cannot_pass_is_refused():

@@ -108,6 +108,7 @@ from clu_ckpt.migration.fleet_assignment import read_recorded_root
 from clu_ckpt.migration.fleet_assignment import record_root
 from clu_ckpt.migration.fleet_assignment import resolve_shard
 from clu_ckpt.migration.fleet_assignment import shard_sources
+from clu_ckpt.migration.fleet_discovery import HOST_REASON
 from clu_ckpt.migration.fleet_discovery import Plan
 from clu_ckpt.migration.fleet_discovery import plan_fleet
 from clu_ckpt.migration.fleet_discovery import read_sources_file
@@ -353,17 +354,29 @@ class _Shard:
 
 def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
                dry_run: bool) -> None:
-  """Prints the skipped paths (always), and the runs on a dry run.
+  """Prints the skipped paths, and the runs on a dry run.
+
+  Host directories skipped because their base is a run are one line when
+  migrating (a big fleet's hosts would fill the log before the first run);
+  the dry run prints each, as the report lists each.
 
   Args:
     plan: The fleet's plan.
     runs: This shard's runs.
     out: Where to print.
-    dry_run: Also print each run ("would migrate ...", or "cannot
-      migrate ..." with its error).
+    dry_run: Print every skipped path, and each run ("would migrate ...",
+      or "cannot migrate ..." with its error).
   """
+  host_dirs = 0
   for s in plan.skipped:
-    print(f"skipped {s.path}: {s.reason}", file=out)
+    if not dry_run and s.reason.startswith(HOST_REASON):
+      host_dirs += 1
+    else:
+      print(f"skipped {s.path}: {s.reason}", file=out)
+  if host_dirs:
+    plural = "y" if host_dirs == 1 else "ies"
+    print(f"skipped {host_dirs} host director{plural} of the runs listed "
+          "(each in the report)", file=out)
   if not dry_run:
     return
   for run in runs:

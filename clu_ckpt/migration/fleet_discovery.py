@@ -189,6 +189,9 @@ OTHER = "other"
 NOT_DIRECTORY = "not_directory"
 UNLISTABLE = "unlistable"
 
+# The reason of a host directory skipped because its base is a run.
+HOST_REASON = "host directory of "
+
 _REASONS = {
     EMPTY: "empty directory",
     OTHER: "not a checkpoint directory (no `checkpoint` file, no "
@@ -279,7 +282,9 @@ def list_candidates(pattern: str) -> dict[str, Entries]:
       directories (none included), as a shell with globstar reads it.
 
   Returns:
-    Normalized path -> entries (see `classify`).
+    Normalized path -> entries (see `classify`), with, for every
+    `<base>-<int>` found, its other hosts and `<base>` itself when there
+    (whether `<base>` is a run decides what its `-<int>` siblings are).
   """
   pattern = normalize_path(pattern)
   if split_url(pattern)[0]:
@@ -291,6 +296,8 @@ def list_candidates(pattern: str) -> dict[str, Entries]:
                if m}:  # the other hosts of a host directory matched
     paths.update(p for p in glob.glob(glob.escape(base) + "-[0-9]*")
                  if _HOST_DIR_RE.match(p))
+    if os.path.lexists(base):  # its base: a run of its own, or their base
+      paths.add(base)
   return {normalize_path(p): _list_local_directory(p) for p in sorted(paths)}
 
 
@@ -316,7 +323,8 @@ def _list_bucket(pattern: str) -> dict[str, Entries]:
            if m}  # the other hosts of a host directory matched
   for key, info in found.items():
     m = _HOST_DIR_RE.match(key)
-    if m and m.group("base") in bases and key not in candidates:
+    if (m and m.group("base") in bases or key in bases) and (
+        key not in candidates):  # their other hosts, and their base
       candidates[key] = ({} if info.get("type") == "directory" else None)
   for key, info in found.items():
     parent, name = posixpath.split(key)
@@ -447,7 +455,7 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
     for h in ordered:
       covered.add(h)
       if _matches(h, pattern):
-        skipped.append(Skipped(h, f"host directory of {base}", pattern))
+        skipped.append(Skipped(h, f"{HOST_REASON}{base}", pattern))
   for path, entries in candidates.items():
     if path in covered or not _matches(path, pattern):
       continue
