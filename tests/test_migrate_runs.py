@@ -202,7 +202,8 @@ def template():
 def fixture_clu_fleet(tmp_path_factory):
   """Runs written by clu: runs/{a,b,c}/checkpoints, and runs/m/checkpoints a
   MultihostCheckpoint (hosts only); runs/f/checkpoints Flax's own
-  `flax.training.checkpoints` files; runs/e/checkpoints empty. Migrated at
+  `flax.training.checkpoints` files; runs/e/checkpoints empty;
+  runs/d/checkpoints a symbolic link to a missing disk2/d. Migrated at
   --parallelism=1 with a template killing the first run's worker, the
   report in a directory that does not exist yet, from a directory holding
   a `numpy.py`.
@@ -230,6 +231,8 @@ def fixture_clu_fleet(tmp_path_factory):
       checkpoints.save_checkpoint(str(root / "runs" / "f" / "checkpoints"),
                                   example_state(step), step, keep=2)
   (root / "runs" / "e" / "checkpoints").mkdir(parents=True)
+  (root / "runs" / "d").mkdir()  # a run on a disk not mounted
+  (root / "runs" / "d" / "checkpoints").symlink_to(root / "disk2" / "d")
   (root / "killer.py").write_text(_KILLER)
   (root / "kill-once").write_text("")
   # A module of the operator's directory does not shadow a library in the
@@ -251,13 +254,16 @@ def test_a_killed_worker_fails_only_its_run(clu_fleet):
   # The first run (sorted) lost its worker; a new worker took the others.
   assert statuses == {"runs/a/checkpoints": "error",
                       "runs/b/checkpoints": "ok", "runs/c/checkpoints": "ok",
+                      "runs/d/checkpoints": "error",
                       "runs/f/checkpoints": "ok",
                       "runs/m/checkpoints": "ok"}, report
   error = report["runs"][0]["error"]
   assert error.startswith("worker process died (killed by SIGKILL (out of "
                           "memory?)) while migrating this run"), error
   assert not (root / "orbax" / "a" / "checkpoints" / "10").exists()
-  assert report["complete"] and report["counts"]["error"] == 1
+  assert report["runs"][3]["error"] == (
+      f"cannot list: a broken symbolic link to {root / 'disk2' / 'd'}")
+  assert report["complete"] and report["counts"]["error"] == 2
   assert report["skipped"] == [{"path": "runs/e/checkpoints",
                                 "reason": "empty directory",
                                 "glob": "runs/*/checkpoints"}]
@@ -298,27 +304,33 @@ def test_the_fleet_prints_the_skipped_and_one_line_per_run(clu_fleet):
   _, run, _ = clu_fleet
   lines = run.stdout.splitlines()
   assert lines[0] == "skipped runs/e/checkpoints: empty directory"
-  assert re.fullmatch(r"migrating 5 run\(s\) \(\d+\.\d KiB\) into orbax, 1 "
+  assert re.fullmatch(r"migrating 6 run\(s\) \(\d+\.\d KiB\) into orbax, 1 "
                       r"at a time; 1 path\(s\) skipped", lines[1]), lines[1]
   progress = [l for l in lines if l.startswith("[")]
-  assert len(progress) == 5, run.stdout
+  assert len(progress) == 6, run.stdout
+  assert progress[0].startswith("[1/6] runs/d/checkpoints error (0 s): cannot "
+                                "list: a broken symbolic link to "), progress
   # Not a terminal (a pipe, a log): plain lines, nothing rewritten.
   assert "\r" not in run.stdout and "\x1b" not in run.stdout
-  assert re.fullmatch(r"\[5/5\] runs/m/checkpoints ok \(1 step, \d+ B, \d+ "
-                      r"(s|min)\); [\d.]+ KiB of [\d.]+ KiB, 1 failure, all "
+  assert re.fullmatch(r"\[6/6\] runs/m/checkpoints ok \(1 step, \d+ B, \d+ "
+                      r"(s|min)\); [\d.]+ KiB of [\d.]+ KiB, 2 failures, all "
                       r"done in \d+ (s|min)", progress[-1]), progress[-1]
-  assert lines[-1] == ("4 ok, 0 failed, 1 error; report: "
+  assert lines[-1] == ("4 ok, 0 failed, 2 error; report: "
                        "reports/new/report.json")
 
 
 @pytest.mark.thorough
 def test_a_rerun_finishes_the_fleet(clu_fleet):
+  """Once the missing disk is back, a re-run migrates what is left."""
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
   root, _, _ = clu_fleet
+  clu_save(root / "disk2" / "d", [example_state(20)])
   run = _script("--source-glob=runs/*/checkpoints", "--destination-root=orbax",
                 "--report=rerun.json", "--step-naming=state", cwd=root)
   assert run.returncode == 0, run.stderr[-3000:]
   report = json.loads((root / "rerun.json").read_text())
-  assert report["counts"] == {"ok": 5, "failed": 0, "error": 0}
+  assert report["counts"] == {"ok": 6, "failed": 0, "error": 0}
   assert (root / "orbax" / "a" / "checkpoints" / "10").is_dir()
 
 

@@ -260,10 +260,10 @@ def test_a_name_with_spaces_and_glob_characters(tree):
 
 def test_a_sources_file_keeps_a_hash_inside_a_path(tmp_path):
   listing = tmp_path / "sources.txt"
-  listing.write_text("runs/exp#3/checkpoints\n"
-                     "# a comment line\n"
-                     "  runs/b/checkpoints   # a comment after a path\n"
-                     "\n")
+  listing.write_bytes("\ufeffruns/exp#3/checkpoints\r\n"  # an editor's BOM
+                      "# a comment line\n"
+                      "  runs/b/checkpoints   # a comment after a path\n"
+                      "\n".encode("utf-8"))
   assert fleet_discovery.read_sources_file(str(listing)) == [
       "runs/exp#3/checkpoints", "runs/b/checkpoints"]
 

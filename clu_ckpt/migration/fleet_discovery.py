@@ -546,7 +546,8 @@ def read_sources_file(path: str) -> list[str]:
     UsageError: The file cannot be read.
   """
   try:
-    with open(path) as f:
+    # utf-8-sig: a file saved by an editor that starts it with a BOM.
+    with open(path, encoding="utf-8-sig") as f:
       lines = [_COMMENT_RE.sub("", l.rstrip("\n")).strip() for l in f]
   except OSError as e:
     raise UsageError(f"--sources-file {path}: {e.strerror or e}") from None
