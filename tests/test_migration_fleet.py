@@ -727,3 +727,19 @@ def test_the_fleet_process_imports_no_migration_machinery(tmp_path):
   done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
                         capture_output=True, text=True, check=True)
   assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_merge_reports_makes_the_directory_of_its_output(tmp_path):
+  shard = tmp_path / "shard-0.json"
+  fleet_report.write_report(str(shard), _report("/o", 0, 1, ["/r/a"], "t",
+                                                fleet_size=1))
+  out = tmp_path / "new" / "dir" / "all.json"
+  parser, _ = fleet.build_parser()
+  args = parser.parse_args([f"--merge-reports={out}", str(shard)])
+  assert fleet.run_merge(args) == 0
+  assert fleet_report.load_report(str(out))["ok"]
+  (tmp_path / "file").write_text("")
+  args = parser.parse_args([f"--merge-reports={tmp_path}/file/all.json",
+                            str(shard)])
+  with pytest.raises(errors.UsageError, match="--merge-reports .*cannot make"):
+    fleet.run_merge(args)

@@ -274,6 +274,7 @@ def run_merge(args: argparse.Namespace) -> int:
   if args.sources or args.source_glob or args.sources_file or args.report:
     raise UsageError("--merge-reports=OUT writes OUT from the reports given "
                      "as arguments; it takes no sources and no --report")
+  prepare_report(args.merge_reports, "--merge-reports")
   merged = merge_reports([(p, load_report(p)) for p in args.reports])
   write_report(args.merge_reports, merged)
   counts = merged["counts"]

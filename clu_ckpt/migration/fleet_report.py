@@ -217,13 +217,14 @@ def write_report(path: str, report: Mapping[str, Any]) -> None:
     write(json.dumps(report, indent=1).encode("utf-8"))
 
 
-def prepare_report(path: str) -> None:
+def prepare_report(path: str, flag: str = "--report") -> None:
   """Checks that a report can be written at `path`, making its directory.
 
   Called before any work, so that a fleet never ends without its report.
 
   Args:
     path: `--report` (local, or a bucket URL: only its directory is made).
+    flag: The flag that named `path`, for the messages.
 
   Raises:
     UsageError: It cannot (a directory there, no permission, ...).
@@ -231,15 +232,15 @@ def prepare_report(path: str) -> None:
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   if not split_url(path)[0]:
     if os.path.isdir(path):
-      raise UsageError(f"--report {path}: is a directory")
+      raise UsageError(f"{flag} {path}: is a directory")
     directory = os.path.dirname(os.path.abspath(path))
     try:
       os.makedirs(directory, exist_ok=True)
     except OSError as e:
-      raise UsageError(f"--report {path}: cannot make {directory}: "
+      raise UsageError(f"{flag} {path}: cannot make {directory}: "
                        f"{e.strerror or e}") from None
     if not os.access(directory, os.W_OK):
-      raise UsageError(f"--report {path}: {directory} is not writable")
+      raise UsageError(f"{flag} {path}: {directory} is not writable")
   else:
     storage.makedirs(posixpath.dirname(path))
 
