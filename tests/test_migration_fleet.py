@@ -684,6 +684,13 @@ def test_merge_refuses_different_destination_roots():
 
 
 
+def test_a_sources_file_in_a_bucket(gcs):
+  path = f"gs://{gcs.bucket()}/lists/sources.txt"
+  gcs.fs().pipe_file(path[len("gs://"):], b"gs://b/runs/a/checkpoints\n")
+  assert fleet_discovery.read_sources_file(path) == [
+      "gs://b/runs/a/checkpoints"]
+
+
 def test_merging_a_merged_report_keeps_the_missing_shards():
   """`--merge-reports=all.json /reports/*.json` finds the last all.json too:
   the shards it holds count as themselves, not as one unsharded report."""

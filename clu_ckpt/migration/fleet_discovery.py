@@ -535,22 +535,25 @@ def read_sources_file(path: str) -> list[str]:
   """The paths listed in a file, one a line.
 
   Args:
-    path: The file (`--sources-file`). Blank lines are ignored; "#" starts
-      a comment at the start of a line or after a blank, so that a "#"
-      inside a name (`runs/exp#3`) stays part of it.
+    path: The file (`--sources-file`; local, or a bucket URL). Blank lines
+      are ignored; "#" starts a comment at the start of a line or after a
+      blank, so that a "#" inside a name (`runs/exp#3`) stays part of it.
 
   Returns:
     The paths, as written (surrounding blanks removed).
 
   Raises:
-    UsageError: The file cannot be read.
+    UsageError: The file cannot be read, or is not UTF-8 text.
   """
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   try:
     # utf-8-sig: a file saved by an editor that starts it with a BOM.
-    with open(path, encoding="utf-8-sig") as f:
-      lines = [_COMMENT_RE.sub("", l.rstrip("\n")).strip() for l in f]
+    text = storage.read_bytes(path).decode("utf-8-sig")
   except OSError as e:
     raise UsageError(f"--sources-file {path}: {e.strerror or e}") from None
+  except UnicodeDecodeError as e:
+    raise UsageError(f"--sources-file {path}: not UTF-8 text ({e})") from None
+  lines = [_COMMENT_RE.sub("", l).strip() for l in text.splitlines()]
   return [l for l in lines if l]
 
 
