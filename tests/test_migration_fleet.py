@@ -12,6 +12,7 @@ tests/test_migrate_runs.py.
 
 import argparse
 import io
+import json
 import random
 import re
 import subprocess
@@ -750,3 +751,43 @@ def test_merge_reports_makes_the_directory_of_its_output(tmp_path):
                             str(shard)])
   with pytest.raises(errors.UsageError, match="--merge-reports .*cannot make"):
     fleet.run_merge(args)
+
+
+def test_a_report_reads_back_with_a_run_a_line(tmp_path):
+  report = dict(_report("/o", 0, 1, ["/r/a", "/r/b"], "t"),
+                skipped=[{"path": "/r/e", "reason": "empty directory"}],
+                counts={"ok": 2}, empty=[])
+  for durable in (True, False):
+    path = tmp_path / f"report-{durable}.json"
+    fleet_report.write_report(str(path), report, durable=durable)
+    assert json.loads(path.read_text()) == report
+    lines = path.read_text().splitlines()
+    assert '  {"source": "/r/a", "status": "ok", "shard": 0},' in lines
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_the_report_writer_bounds_the_time_it_takes():
+  """A rewrite taking 1 s: the next waits 10 s (10 x its duration), then
+  goes out at the next update or idle tick; the final one always."""
+  now = [0.0]
+  writes = []
+
+  def write(path, report, durable):
+    writes.append((now[0], report["n"], durable))
+    now[0] += 1.0  # each write takes a second
+
+  state = {"n": 0}
+  writer = fleet_report.ReportWriter("r.json", lambda: dict(state),
+                                     clock=lambda: now[0], write=write)
+  writer.update()                      # at 0: written, until 1; next at 11
+  state["n"] = 1
+  now[0] = 5.0
+  writer.update()                      # too soon: not written
+  writer.flush_due()
+  assert writes == [(0.0, 0, False)]
+  now[0] = 11.0
+  writer.flush_due()                   # the idle tick after the pause
+  assert writes[-1] == (11.0, 1, False)
+  writer.flush_due()                   # nothing changed: nothing written
+  writer.close({"n": 2})
+  assert writes == [(0.0, 0, False), (11.0, 1, False), (12.0, 2, True)]

@@ -121,6 +121,7 @@ from clu_ckpt.migration.fleet_report import merge_reports
 from clu_ckpt.migration.fleet_report import now as _now
 from clu_ckpt.migration.fleet_report import prepare_report
 from clu_ckpt.migration.fleet_report import ProgressPrinter
+from clu_ckpt.migration.fleet_report import ReportWriter
 from clu_ckpt.migration.fleet_report import write_report
 from clu_ckpt.migration.fleet_workers import migrate_kwargs
 from clu_ckpt.migration.fleet_workers import WorkerPool
@@ -426,7 +427,9 @@ def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
     return 0 if all(r.error is None for r in runs) else 1
   prepare_report(shard.report_path)
   record_root(args.destination_root, root)
-  write_report(shard.report_path, shard.report(plan, runs, root, False))
+  writer = ReportWriter(shard.report_path,
+                        lambda: shard.report(plan, runs, root, False))
+  writer.update()  # every run pending
   print_plan(plan, runs, sys.stdout, dry_run=False)
   print(f"migrating {of} ({format_bytes(total)}) into "
         f"{args.destination_root}, {args.parallelism} at a time{skipped}",
@@ -436,7 +439,7 @@ def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
 
   def on_entry(entry: dict[str, Any]) -> None:
     shard.entries[entry["source"]] = entry
-    write_report(shard.report_path, shard.report(plan, runs, root, False))
+    writer.update()
     progress.run_done(entry, sizes.get(entry["source"], 0))
 
   for run in runs:
@@ -444,7 +447,8 @@ def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
       on_entry({"source": run.source, "destination": run.destination,
                 "status": "error", "error": run.error, "seconds": 0.0})
   fleet = WorkerPool([r for r in runs if r.error is None], options,
-                     args.parallelism, on_entry, verbose=args.verbose)
+                     args.parallelism, on_entry, verbose=args.verbose,
+                     on_idle=writer.flush_due)
   previous = {s: signal.signal(s, lambda n, _: fleet.stop(n))
               for s in (signal.SIGINT, signal.SIGTERM)}
   try:
@@ -454,7 +458,7 @@ def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
       signal.signal(s, handler)
     progress.close()
   report = shard.report(plan, runs, root, fleet.stop_signal is None)
-  write_report(shard.report_path, report)
+  writer.close(report)
   counts = report["counts"]
   others = "".join(f", {n} {s}" for s, n in counts.items()
                    if s not in FINISHED)

@@ -205,16 +205,114 @@ def count_statuses(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
   return counts
 
 
-def write_report(path: str, report: Mapping[str, Any]) -> None:
+def report_bytes(report: Mapping[str, Any]) -> bytes:
+  """A report as JSON text: a field a line, and each run (each skipped
+  path) on a line of its own.
+
+  Readable, and fast: each line goes through `json`'s C encoder (an indented
+  dump of a 1000-run report takes the pure-Python one, 5x slower).
+
+  Args:
+    report: The report.
+
+  Returns:
+    UTF-8 JSON, which `json.loads` reads back as `report`.
+  """
+  fields = []
+  for key, value in report.items():
+    if isinstance(value, list) and value:
+      items = ",\n".join(f"  {json.dumps(v)}" for v in value)
+      fields.append(f" {json.dumps(key)}: [\n{items}\n ]")
+    else:
+      fields.append(f" {json.dumps(key)}: {json.dumps(value)}")
+  return ("{\n" + ",\n".join(fields) + "\n}\n").encode("utf-8")
+
+
+def write_report(path: str, report: Mapping[str, Any],
+                 durable: bool = True) -> None:
   """Writes a report as JSON, atomically (a reader never sees half of it).
 
   Args:
     path: A local path or a bucket URL.
     report: The report.
+    durable: Locally, fsync it before and after the rename (the final
+      report). Without, the rename alone: a reader, or the process's
+      death, still never leaves half of it; only a power cut may lose the
+      latest rewrite (the fleet's progress rewrites, many and frequent).
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
-  with storage.atomic_writer(path) as write:
-    write(json.dumps(report, indent=1).encode("utf-8"))
+  data = report_bytes(report)
+  if durable or split_url(path)[0]:
+    with storage.atomic_writer(path) as write:
+      write(data)
+    return
+  temporary = f"{path}.tmp-{os.getpid()}"
+  try:
+    with open(temporary, "wb") as f:
+      f.write(data)
+    os.replace(temporary, path)
+  except BaseException:
+    try:
+      os.remove(temporary)
+    except OSError:
+      pass
+    raise
+
+
+class ReportWriter:
+  """Rewrites a fleet's report as its runs finish, at a bounded cost.
+
+  A report grows with the fleet, so rewriting all of it after every run
+  costs the fleet's process time quadratic in the number of runs. `update`
+  (after every finished run) writes at once unless the last write ended
+  less than `pause` times its own duration ago; the report is then written
+  by the next `update` or `flush_due` (called every fraction of a second).
+  The writes so take at most about 1 / (pause + 1) of the process's time:
+  after every run on a small fleet, every few seconds on one of 10,000.
+
+  Example::
+
+    writer = ReportWriter(path, lambda: shard_report(complete=False))
+    writer.update()                      # every run pending
+    ...                                  # after each run: writer.update()
+    writer.close(shard_report(complete=True))
+  """
+
+  def __init__(self, path: str, build: Callable[[], Mapping[str, Any]],
+               pause: float = 10.0,
+               clock: Callable[[], float] = time.monotonic,
+               write: Callable[..., None] = write_report):
+    self._path = path
+    self._build = build
+    self._pause = pause
+    self._clock = clock
+    self._write = write
+    self._dirty = False
+    self._next = float("-inf")
+
+  def update(self) -> None:
+    """The report changed: writes it now, or once the pause is over."""
+    self._dirty = True
+    self.flush_due()
+
+  def flush_due(self) -> None:
+    """Writes the report if it changed and the pause is over."""
+    if not self._dirty or self._clock() < self._next:
+      return
+    start = self._clock()
+    self._write(self._path, self._build(), durable=False)
+    end = self._clock()
+    self._next = end + self._pause * (end - start)
+    self._dirty = False
+
+  def close(self, report: Mapping[str, Any]) -> None:
+    """Writes the final report, durably (fsync).
+
+    Args:
+      report: The final report.
+    """
+    self._write(self._path, report, durable=True)
+    self._dirty = False
 
 
 def prepare_report(path: str, flag: str = "--report") -> None:

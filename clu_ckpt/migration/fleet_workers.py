@@ -373,14 +373,17 @@ class _WorkerProcess:
 class WorkerPool:
   """Migrates runs in `parallelism` long-lived workers; stops cleanly.
 
-  `run` calls `on_entry(entry)` (in the main thread) as each run finishes.
+  `run` calls `on_entry(entry)` (in the main thread) as each run finishes,
+  and `on_idle()` when no worker has said anything for 0.2 s.
   `stop(signum)` (from a signal handler) starts no new run and interrupts
   the runs under way; a second `stop` kills the workers at once.
   """
 
   def __init__(self, runs: Sequence[Run], options: Mapping[str, Any],
                parallelism: int, on_entry: Callable[[dict[str, Any]], None],
-               verbose: bool = False, stop_seconds: float = STOP_SECONDS):
+               verbose: bool = False, stop_seconds: float = STOP_SECONDS,
+               on_idle: Optional[Callable[[], None]] = None):
+    self._on_idle = on_idle
     self._pending = list(runs)
     self._options = dict(options)
     self._parallelism = max(1, parallelism)
@@ -467,6 +470,8 @@ class WorkerPool:
       if time.monotonic() > self._stop_deadline:
         self.kill()
         self._stop_deadline = float("inf")
+      if self._on_idle is not None:
+        self._on_idle()
       return
     if message is None:  # the worker ended
       self._workers.remove(worker)
