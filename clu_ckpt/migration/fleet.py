@@ -62,7 +62,8 @@ the next run. Steps already migrated are skipped, so the command can simply
 be re-run.
 
 Report: written (atomically) before the first run and after every finished
-run, so a killed fleet leaves the report of what finished. It lists every
+run (`fleet_report.ReportWriter`: at most a tenth of the time on a huge
+fleet), so a killed fleet leaves the report of what finished. It lists every
 run of the shard (source, destination, shard, status "ok", "failed" (some
 checkpoint failed), "error" (the run could not be migrated, or its worker
 died), "interrupted" or "pending", seconds, the migration's summary) and

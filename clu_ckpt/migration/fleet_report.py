@@ -18,8 +18,9 @@ A report (JSON) holds every run of a shard with its status (FINISHED:
 "ok", "failed", "error"; or "interrupted", "pending"), its seconds and its
 migration summary, and every skipped path with its reason; "complete" is
 true once the shard ended without being stopped. It is written atomically
-after every finished run, so a killed fleet leaves a report of what
-finished; `merge_reports` accepts such partial reports.
+after every finished run (`ReportWriter` bounds what that costs a huge
+fleet), so a killed fleet leaves a report of what finished;
+`merge_reports` accepts such partial reports.
 
 Progress: one line per finished run, in binary units, e.g.
 `[3/12] /runs/a/checkpoints ok (4 steps, 1.2 GiB, 35 s); 3.4 GiB of 9.0 GiB,
