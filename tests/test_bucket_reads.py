@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 import link_proxy
+from clu_ckpt import bucket_spool
+from clu_ckpt import bucket_upload
 from clu_ckpt import flax_format
 from clu_ckpt import flax_ranges
 from clu_ckpt import fsspec_fs
@@ -133,7 +135,7 @@ def test_inspect_and_verify_of_a_bucket_file_read_headers(proxy):
 
 
 def test_whole_tree_after_headers_fetches_each_byte_once(proxy, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "SPOOL_CHUNK", 512 * 1024)
+  monkeypatch.setattr(bucket_spool, "SPOOL_CHUNK", 512 * 1024)
   state = _state(layers=6, kib=2048)
   url, size = _upload(proxy, state)
   with flax_format.FlaxFile(url, read_data=False) as f:
@@ -147,7 +149,7 @@ def test_whole_tree_after_headers_fetches_each_byte_once(proxy, monkeypatch):
 
 
 def test_map_keeps_n_reads_in_flight(proxy, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "SPOOL_CHUNK", 256 * 1024)
+  monkeypatch.setattr(bucket_spool, "SPOOL_CHUNK", 256 * 1024)
   monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", "6")
   data = os.urandom(5 * _MIB + 17)
   url = f"{proxy.store.scheme}://{proxy.store.bucket()}/run/blob"
@@ -204,7 +206,7 @@ def _leftovers(proxy, bucket):
 
 
 def test_a_large_object_goes_up_in_parallel_parts(proxy, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 5 * _MIB)
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 5 * _MIB)
   monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "4")
   bucket = proxy.store.bucket()
   url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
@@ -227,7 +229,7 @@ def test_a_large_object_goes_up_in_parallel_parts(proxy, monkeypatch):
 
 
 def test_a_failed_parallel_upload_leaves_nothing(proxy, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 5 * _MIB)
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 5 * _MIB)
   monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "3")
   bucket = proxy.store.bucket()
   url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
@@ -251,8 +253,8 @@ def test_a_failed_parallel_upload_leaves_nothing(proxy, monkeypatch):
 def test_many_parts_are_composed_in_rounds(proxy, monkeypatch):
   if proxy.store.scheme != "gs":
     pytest.skip("GCS composes at most 32 objects a request; S3 has no limit")
-  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 256 * 1024)
-  monkeypatch.setattr(fsspec_fs, "_COMPOSE_MAX", 4)
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 256 * 1024)
+  monkeypatch.setattr(bucket_upload, "_COMPOSE_MAX", 4)
   bucket = proxy.store.bucket()
   url = f"gs://{bucket}/run/blob"
   data = os.urandom(19 * 256 * 1024 + 7)  # 20 parts: 5, then 2 rounds
