@@ -9,11 +9,14 @@ answers for the length of one operation, in this thread or task only:
 - `metadata_cache()`: each listing and object's metadata is asked for once;
   any write, removal or exclusive create through `fsspec_fs` forgets all of
   them (so a write's effect is seen by the next question).
-- `object_cache()`: a `metadata_cache()`, and besides, each small object
-  (up to `SMALL_OBJECT_BYTES`) read by `read_bytes` is downloaded whole
-  once and every later read of it is served from memory, with its metadata
-  (at most `OBJECT_CACHE_BYTES` in all, least recently used dropped first);
-  a write or removal of that object forgets it.
+- `object_cache(under, but_not)`: each small object (up to
+  `SMALL_OBJECT_BYTES`) under the prefix `under` (and not under `but_not`)
+  read by `read_bytes` or spooled is downloaded whole once and every later
+  read of it is served from memory, with its metadata (at most
+  `OBJECT_CACHE_BYTES` in all, least recently used dropped first); a write
+  or removal of that object through `fsspec_fs` forgets it. For objects
+  nobody writes while the block runs (a migration's source), never for
+  objects others write (a lock, a destination).
 
 Outside these blocks nothing is cached, so other processes' writes are seen
 at once. Blocks nest (the outermost one counts).
@@ -24,7 +27,7 @@ Synopsis::
 
   with bucket_cache.metadata_cache():
     state = checkpoint.load_state_dict("gs://b/run")
-  with bucket_cache.object_cache():
+  with bucket_cache.object_cache("gs://b/run", but_not="gs://b/orbax"):
     summary = migration.migrate("gs://b/run", "gs://b/orbax")
 """
 
@@ -80,25 +83,24 @@ def metadata_cache() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def object_cache() -> Iterator[None]:
-  """Within the block, each small object is downloaded at most once.
+def object_cache(under: str, but_not: str = "") -> Iterator[None]:
+  """Within the block, each small object under `under` is downloaded once.
 
-  Also a `metadata_cache()`. For an operation that reads objects it does not
-  write (a migration's source) and reads small ones several times.
+  For an operation that reads objects nobody writes meanwhile (a
+  migration's source) several times. Objects under `but_not` (a
+  destination inside the source) are never kept.
 
   Example::
 
-    with bucket_cache.object_cache():
-      summary = migration.migrate("gs://b/run", "gs://b/orbax")
+    with bucket_cache.object_cache("gs://b/run", but_not="gs://b/run/orbax"):
+      summary = migration.migrate("gs://b/run", "gs://b/run/orbax")
   """
   if _OBJECTS.get() is not None:
-    with metadata_cache():
-      yield
+    yield
     return
-  token = _OBJECTS.set(_Objects(OBJECT_CACHE_BYTES))
+  token = _OBJECTS.set(_Objects(OBJECT_CACHE_BYTES, under, but_not))
   try:
-    with metadata_cache():
-      yield
+    yield
   finally:
     _OBJECTS.reset(token)
 
@@ -106,8 +108,10 @@ def object_cache() -> Iterator[None]:
 class _Objects:
   """Whole small objects and their metadata, least recently used dropped."""
 
-  def __init__(self, limit: int):
+  def __init__(self, limit: int, under: str, but_not: str):
     self.limit = limit
+    self.under = under.rstrip("/") + "/"
+    self.but_not = but_not.rstrip("/") + "/" if but_not else ""
     self.held = 0
     self._items: "collections.OrderedDict[str, tuple[dict, bytes]]" = (
         collections.OrderedDict())
@@ -143,13 +147,15 @@ def cached_object(key: str) -> Optional[tuple[dict, bytes]]:
 def keep_object(key: str, info: dict, data: bytes) -> None:
   """Keeps a small object read whole, if an `object_cache` block runs."""
   objects = _OBJECTS.get()
-  if objects is not None and len(data) <= SMALL_OBJECT_BYTES:
+  if caching_objects(key) and len(data) <= SMALL_OBJECT_BYTES:
     objects.put(key, info, data)
 
 
-def caching_objects() -> bool:
-  """Whether an `object_cache` block runs (in this thread or task)."""
-  return _OBJECTS.get() is not None
+def caching_objects(key: str) -> bool:
+  """Whether an `object_cache` block keeps the object `key` (its URL)."""
+  objects = _OBJECTS.get()
+  return objects is not None and key.startswith(objects.under) and not (
+      objects.but_not and key.startswith(objects.but_not))
 
 
 def forget(key: str = "", *, tree: bool = False) -> None:

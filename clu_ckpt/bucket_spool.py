@@ -124,6 +124,21 @@ def fetch_ranges(read: Callable[[int, int], bytes], path: str, fd: int,
   return len(pieces)
 
 
+class _SpoolMap(mmap.mmap):
+  """A spool's map: advice that a range will be needed fetches it first."""
+
+  spool: Optional["SparseSpool"] = None
+
+  def madvise(self, option: int, start: int = 0, length: Optional[int] = None
+              ) -> None:
+    if option == mmap.MADV_WILLNEED and self.spool is not None:
+      end = len(self) if length is None else start + length
+      self.spool.ensure([(start, end)])
+    if length is None:
+      return super().madvise(option, start)
+    return super().madvise(option, start, length)
+
+
 class SparseSpool:
   """A local copy of an object, filled by ranged reads only where asked.
 
@@ -139,10 +154,18 @@ class SparseSpool:
     header = spool.map[:16]
     spool.fill()                        # the rest, many reads in flight
 
+  Reading ahead: `map.madvise(mmap.MADV_WILLNEED, start, length)` (what a
+  consumer says before it reads a range, as the migration's writer does for
+  each array: `migration.memory.will_need`) fetches that range first, so
+  that a consumer walking the object's arrays downloads each just ahead of
+  its use, overlapping the download of the next with whatever it does with
+  the current one (an upload), without holding more than its own window.
+
   Attributes:
     path: The object's URL.
     size: Its size in bytes.
-    map: An `mmap.mmap` of the local copy (`b""` for an empty object).
+    map: An `mmap.mmap` of the local copy (`b""` for an empty object); its
+      `madvise(MADV_WILLNEED, ...)` fetches the range advised.
     requests: Ranged reads made so far.
     fetched: Bytes downloaded so far.
     identity: (path, size, modification time, generation or ETag): what
@@ -162,8 +185,9 @@ class SparseSpool:
         os.ftruncate(self._file.fileno(), size)  # sparse: no blocks yet
       except OSError as e:
         raise _spool_error(e, path, size) from e
-      self.map: Any = mmap.mmap(self._file.fileno(), size,
+      self.map: Any = _SpoolMap(self._file.fileno(), size,
                                 access=mmap.ACCESS_READ)
+      self.map.spool = self
     else:
       self.map = b""
 

@@ -23,8 +23,8 @@ How the store's semantics map onto the seam:
   bucket exists, so a misspelt bucket fails at once, by name.
 - **No caching between operations**: listings and metadata are kept only
   inside a `bucket_cache.metadata_cache()` block (one load or inspection),
-  small objects inside a `bucket_cache.object_cache()` block (one
-  migration), and forgotten at any write through this module; so a second
+  a migration's small source objects inside a `bucket_cache.object_cache()`
+  block, and forgotten at any write through this module; so a second
   process' writes are seen at the next operation.
 - **An unreachable store fails fast** (`bucket_client`): until the store has
   answered once in this process, a request gets no retries and at most
@@ -77,7 +77,6 @@ StoreUnreachableError = bucket_client.StoreUnreachableError
 MissingBackendError = errors.MissingBackendError
 StoreAccessError = errors.StoreAccessError
 metadata_cache = bucket_cache.metadata_cache
-object_cache = bucket_cache.object_cache
 SparseSpool = bucket_spool.SparseSpool
 streams = bucket_spool.streams
 upload_streams = bucket_upload.upload_streams
@@ -88,8 +87,14 @@ _has_exclusive_create = bucket_client.has_exclusive_create
 _cached = bucket_cache.cached
 
 
-def _forget_metadata(key: str = "", *, tree: bool = False) -> None:
-  bucket_cache.forget(key, tree=tree)
+def _forget_metadata(path: str = "", *, tree: bool = False) -> None:
+  """Forgets kept metadata, and the kept object at `path` (or under it)."""
+  bucket_cache.forget(_normal(path) if path else "", tree=tree)
+
+
+def _normal(path: str) -> str:
+  """The key an object is kept under: its URL without a trailing `/`."""
+  return path.rstrip("/")
 
 
 class FsspecFileSystem(filesystem.FileSystem):
@@ -235,7 +240,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     self._buckets.add(bucket)
 
   def remove(self, path: str) -> None:
-    _forget_metadata()
+    _forget_metadata(path)
     with self._naming(path):
       try:
         self.fs.rm_file(self._key(path))
@@ -244,7 +249,7 @@ class FsspecFileSystem(filesystem.FileSystem):
 
   def remove_tree(self, path: str) -> None:
     """Removes every object under `path/` (not `path10/`), and `path`."""
-    _forget_metadata()
+    _forget_metadata(path, tree=True)
     key = self._key(path).rstrip("/")
     with self._naming(path):
       try:
@@ -266,8 +271,20 @@ class FsspecFileSystem(filesystem.FileSystem):
         mtime = self.fs.modified(self._key(path)).timestamp()
     return int(info.get("size") or 0), mtime
 
-  @_cached
   def _object_info(self, path: str) -> dict:
+    """The store's metadata of the object at `path` (kept, or one request).
+
+    Raises:
+      FileNotFoundError: No object there.
+      NotRegularFileError: Only a prefix is there.
+    """
+    held = bucket_cache.cached_object(_normal(path))
+    if held is not None:
+      return held[0]
+    return self._asked_info(path)
+
+  @_cached
+  def _asked_info(self, path: str) -> dict:
     """The store's metadata of the object at `path`: one request.
 
     (gcsfs' `info` also lists the name as a prefix, in parallel.)
@@ -296,9 +313,18 @@ class FsspecFileSystem(filesystem.FileSystem):
 
   def read_bytes(self, path: str, offset: int = 0,
                  length: Optional[int] = None) -> bytes:
+    """Bytes of the object: all, or `length` from `offset` (one request).
+
+    Inside a `bucket_cache.object_cache()` block an object of at most
+    `bucket_cache.SMALL_OBJECT_BYTES` is downloaded whole at its first read
+    and served from memory afterwards.
+    """
     end = None if length is None else offset + length
     if length == 0:
       return b""
+    whole = self._small_object(path)
+    if whole is not None:
+      return whole[offset:end]
     with self._naming(path):
       return self.fs.cat_file(self._key(path), start=offset or None, end=end)
 
@@ -335,10 +361,40 @@ class FsspecFileSystem(filesystem.FileSystem):
     spool.identity = (path, size, _mtime(info), version)
     return spool
 
+  def _small_object(self, path: str) -> Optional[bytes]:
+    """The whole object, if small and an `object_cache()` block runs."""
+    if not bucket_cache.caching_objects(_normal(path)):
+      return None
+    held = bucket_cache.cached_object(_normal(path))
+    if held is not None:
+      return held[1]
+    info = self._object_info(path)
+    if int(info.get("size") or 0) > bucket_cache.SMALL_OBJECT_BYTES:
+      return None
+    with self._naming(path):
+      data = self.fs.cat_file(self._key(path))
+    if len(data) == int(info.get("size") or 0):  # else it changed: not kept
+      bucket_cache.keep_object(_normal(path), info, data)
+    return data
+
   def fetch_into(self, path: str, fd: int, ranges: list[tuple[int, int]],
                  size: int) -> int:
-    """Copies byte ranges of the object into file `fd`: see `bucket_spool.fetch_ranges`."""
+    """Copies byte ranges of the object into file `fd`: see `bucket_spool.fetch_ranges`.
+
+    An object an `object_cache()` block holds is copied from memory.
+
+    Returns:
+      The number of requests made.
+    """
     key = self._key(path)
+    held = bucket_cache.cached_object(_normal(path))
+    data = held[1] if held is not None else (
+        self._small_object(path) if size <= bucket_cache.SMALL_OBJECT_BYTES
+        else None)
+    if data is not None and len(data) == size:
+      bucket_spool.fetch_ranges(lambda s, e: data[s:e], path, fd, ranges,
+                                size)
+      return 0 if held is not None else 1
 
     def read(start: int, end: int) -> bytes:
       with self._naming(path):
@@ -358,7 +414,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     upload, completed). If the block raises (or an upload fails), the parts
     are removed or the multipart upload aborted: no object appears.
     """
-    _forget_metadata()
+    _forget_metadata(path)
     self.makedirs(path)
     upload = bucket_upload.PartsUpload(self, path)
     try:
@@ -369,7 +425,7 @@ class FsspecFileSystem(filesystem.FileSystem):
       upload.abort()
       raise
     finally:
-      _forget_metadata()
+      _forget_metadata(path)
 
   def create_exclusive(self, path: str, data: bytes) -> None:
     """Writes `data` at `path` only if no object is there, atomically.
@@ -377,7 +433,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     Raises:
       FileExistsError: An object is already at `path`.
     """
-    _forget_metadata()
+    _forget_metadata(path)
     self.makedirs(path)
     if not _has_exclusive_create(self.fs):
       raise NotImplementedError(
