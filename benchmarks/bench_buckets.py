@@ -8,7 +8,11 @@ Synopsis::
 
 Everything runs against fake-gcs-server on 127.0.0.1 (`tests/emulators.py`;
 `--backend memory` for its in-memory store, whose uploads are not serialised
-by one lock as the file-system store's are), reached through
+by one lock as the file-system store's are), or with `--store s3` against
+moto's S3 server (multipart uploads in parallel; but each ranged GET costs
+moto a copy of the whole object, so ranged reads are the emulator's limit
+there, and the migration writes to a local directory: Orbax restores no
+`s3://` step), reached through
 `tests/link_proxy.py`: a proxy on 127.0.0.1 that adds `--rtt-ms` of round
 trip (30) and lets each connection carry at most `--mbps` MB/s (60) each way,
 and counts the bytes and requests that cross it. A CLU checkpoint of about
@@ -16,6 +20,13 @@ and counts the bytes and requests that cross it. A CLU checkpoint of about
 and bfloat16 moments of 64 MiB, a `step` first) is uploaded to the emulator
 directly. Each measurement runs in a fresh process; per round:
 
+- Any method takes a suffix `+plain` (through the unshaped proxy) or
+  `+direct` (straight to the emulator: its own service time, apart from the
+  client's and the link's), and `!base` (run with `--baseline DIR` on
+  PYTHONPATH: the code before, side by side).
+- `uplink@N`: as many bytes as the `.flax` sent as 8 MiB parts, N at a time
+  (S3: one multipart upload; GCS: separate objects): what N connections
+  carry upwards, the reference of the writes and of the migration.
 - `link@N`: what N connections of the modelled link carry: the `.flax`
   downloaded by N ranged reads of 32 MiB always in flight (gcsfs
   `cat_file`), through the proxy; `ceiling@N` the same through an unshaped
@@ -32,7 +43,8 @@ directly. Each measurement runs in a fresh process; per round:
   state of that size (TensorFlow imported before the clock starts);
   `save_flax`: its `.flax` alone (`flax_format.save_file`).
 - `naive_migrate`: `cat_file`, `msgpack_restore`, Orbax `CheckpointManager.
-  save`; `migrate`: `clu_ckpt.migration.migrate(url, url2)`.
+  save`; `migrate`: `clu_ckpt.migration.migrate(url, url2)` (`migrate@W`:
+  with TensorStore's in-flight window W MiB).
 
 Reported per method (medians): seconds, MB/s of the `.flax` (10^6 bytes/s),
 that as a fraction of `link@N` for the N streams it used (the most
@@ -394,6 +406,9 @@ def _measure(args) -> dict:
         load = _load_average()
         if proxy is not None:
           proxy.reset()
+        if child.endswith("!base"):  # the baseline tree's code
+          child = child[:-len("!base")]
+          env["PYTHONPATH"] = args.baseline
         result = _run_child(child, src, dst, env)
         if proxy is not None:
           result.update(down=proxy.down, up=proxy.up,
@@ -466,7 +481,7 @@ def _report(result: dict) -> str:
     s = med(method, "seconds")
     rate = size / s / _MB
     streams = med(method, "streams")
-    kind = method.split("@")[0].split("+")[0]
+    kind = method.split("@")[0].split("+")[0].split("!")[0]
     if "@" in method and kind in ("link", "uplink", "ceiling", "direct",
                                   "load"):
       streams = int(method.split("@")[1].split("+")[0])
@@ -507,6 +522,9 @@ def main() -> None:
   parser.add_argument("--methods", type=lambda t: t.split(","),
                       default=_DEFAULT_METHODS.split(","),
                       help="comma-separated; see the module docstring")
+  parser.add_argument("--baseline", default="",
+                      help="a checkout of the code before: methods ending in "
+                      "`!base` run with it on PYTHONPATH")
   parser.add_argument("--json")
   parser.add_argument("--from-json")
   parser.add_argument("--child", help=argparse.SUPPRESS)
