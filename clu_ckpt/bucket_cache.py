@@ -110,7 +110,8 @@ class _Objects:
 
   def __init__(self, limit: int, under: str, but_not: str):
     self.limit = limit
-    self.under = under.rstrip("/") + "/"
+    # No "/": a multi-host run's directories `<base>-<host>` are included.
+    self.under = under.rstrip("/")
     self.but_not = but_not.rstrip("/") + "/" if but_not else ""
     self.held = 0
     self._items: "collections.OrderedDict[str, tuple[dict, bytes]]" = (

@@ -307,6 +307,16 @@ def caching_source_objects(source: str, destination: str) -> Callable:
 
     @storage.caching_source_objects("source", "destination")
     def migrate(source, destination): ...
+
+  Args:
+    source: The name of the decorated function's parameter holding the
+      source (objects whose URL starts with it are kept: a multi-host
+      run's `<base>-<host>` directories too).
+    destination: The name of the parameter holding the destination
+      (objects under it are never kept).
+
+  Returns:
+    The decorator.
   """
   import functools  # pylint: disable=g-import-not-at-top
   import inspect  # pylint: disable=g-import-not-at-top

@@ -389,3 +389,34 @@ def test_a_bucket_migration_downloads_arrays_while_it_uploads(gcs):
   # The arrays are downloaded as the writer reaches them: some after the
   # state's first upload (the whole file was downloaded before any).
   assert flax_reads[-1] > uploads[0], (flax_reads, uploads, lines)
+
+
+def test_object_cache_keeps_the_source_only(proxy):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  bucket = proxy.store.bucket()
+  root = f"{proxy.store.scheme}://{bucket}"
+  fs = proxy.store.fs()
+  for name in ("run/ckpt-1.index", "run/orbax/lock", "run-1/ckpt-1.index",
+               "other/a"):
+    fs.pipe_file(f"{bucket}/{name}", name.encode())
+  proxy.reset()
+  with bucket_cache.object_cache(f"{root}/run", but_not=f"{root}/run/orbax"):
+    for _ in range(3):
+      for name in ("run/ckpt-1.index", "run/orbax/lock", "run-1/ckpt-1.index",
+                   "other/a"):
+        assert storage.read_bytes(f"{root}/{name}") == name.encode()
+    assert storage.filesystem(root).read_bytes(
+        f"{root}/run/ckpt-1.index", 4, 5) == b"ckpt-"
+    downloads = _downloads(proxy)
+    # The source's (a multi-host run's `-1` directory too) once; what is
+    # under the destination (a lock others write) and elsewhere each time.
+    assert downloads["ckpt-1.index"] == 2, downloads  # run/ and run-1/
+    assert downloads["lock"] == 3 and downloads["a"] == 3, downloads
+    # A write through this module forgets the object.
+    with storage.atomic_writer(f"{root}/run/ckpt-1.index") as write:
+      write(b"new")
+    assert storage.read_bytes(f"{root}/run/ckpt-1.index") == b"new"
+  proxy.reset()
+  storage.read_bytes(f"{root}/run/ckpt-1.index")  # outside: no cache
+  storage.read_bytes(f"{root}/run/ckpt-1.index")
+  assert _downloads(proxy)["ckpt-1.index"] == 2
