@@ -41,7 +41,10 @@ directly. Each measurement runs in a fresh process; per round:
 - `naive_put`: gcsfs `pipe_file` of as many bytes as the `.flax` (one
   stream); `save`: `clu_ckpt.checkpoint.Checkpoint(url).save(state)` of a
   state of that size (TensorFlow imported before the clock starts);
-  `save_flax`: its `.flax` alone (`flax_format.save_file`).
+  `save_flax`: its `.flax` alone (`flax_format.save_file`); `join s`: the
+  seconds the store took to join the parts (GCS compose, S3 complete: a
+  metadata operation on a real bucket, a copy of every byte in the
+  emulators).
 - `naive_migrate`: `cat_file`, `msgpack_restore`, Orbax `CheckpointManager.
   save`; `migrate`: `clu_ckpt.migration.migrate(url, url2)` (`migrate@W`:
   with TensorStore's in-flight window W MiB).
@@ -245,6 +248,28 @@ def _child_uplink(src: str, dst: str, n: str = "1") -> dict:
   return {"seconds": seconds, "bytes": size}
 
 
+def _timing_joins() -> list:
+  """Seconds each upload's join (GCS compose, S3 complete) takes, appended.
+
+  The store's own work of joining parts: on a real bucket a metadata
+  operation; the emulators copy every byte (fake-gcs-server's compose,
+  moto's complete), which is their service time, not the client's.
+  """
+  from clu_ckpt import bucket_upload  # pylint: disable=g-import-not-at-top
+  seconds = []
+  join = bucket_upload.PartsUpload._join  # pylint: disable=protected-access
+
+  def timed(self):
+    start = time.perf_counter()
+    try:
+      join(self)
+    finally:
+      seconds.append(time.perf_counter() - start)
+
+  bucket_upload.PartsUpload._join = timed  # pylint: disable=protected-access
+  return seconds
+
+
 def _child_save(src: str, dst: str) -> dict:
   from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
   state = _state_like(src)
@@ -252,11 +277,12 @@ def _child_save(src: str, dst: str) -> dict:
   _warm(src)
   ckpt = checkpoint.Checkpoint(dst)
   ckpt.tf_checkpoint_manager  # pylint: disable=pointless-statement
+  joins = _timing_joins()
   start = time.perf_counter()  # TensorFlow imported, the manager made
   with _peak_sampler() as peak:
     ckpt.save(state)
   return {"seconds": time.perf_counter() - start,
-          "extra_rss": peak.peak - base}
+          "extra_rss": peak.peak - base, "join": sum(joins)}
 
 
 def _child_save_flax(src: str, dst: str) -> dict:
@@ -265,11 +291,12 @@ def _child_save_flax(src: str, dst: str) -> dict:
   state = _state_like(src)
   base = _rss_anon()
   _warm(src)
+  joins = _timing_joins()
   start = time.perf_counter()
   with _peak_sampler() as peak:
     flax_format.save_file(state, dst + "/ckpt-1.flax")
   return {"seconds": time.perf_counter() - start,
-          "extra_rss": peak.peak - base}
+          "extra_rss": peak.peak - base, "join": sum(joins)}
 
 
 def _child_naive_migrate(src: str, dst: str) -> dict:
@@ -474,9 +501,9 @@ def _report(result: dict) -> str:
       f"{result['mbps']} MB/s per connection",
       "",
       "method          seconds   MB/s  streams  of link  x naive  MiB down  "
-      "requests  RssAnon/size  load",
+      "requests  RssAnon/size  load  join s",
       "--------------  -------  -----  -------  -------  -------  --------  "
-      "--------  ------------  ----"]
+      "--------  ------------  ----  ------"]
   for method in methods:
     s = med(method, "seconds")
     rate = size / s / _MB
@@ -502,7 +529,9 @@ def _report(result: dict) -> str:
         f"{streams if streams is not None else '-':>7}  {frac}  {ratio}  "
         f"{(down or 0) / 2**20:8.1f}  {med(method, 'requests', 0):8.0f}  "
         f"{(rss / size) if rss is not None else float('nan'):12.2f}  "
-        f"{med(method, 'load'):4.1f}")
+        f"{med(method, 'load'):4.1f}  " +
+        (f"{med(method, 'join'):6.2f}" if med(method, "join") is not None
+         else "     -"))
   return "\n".join(lines)
 
 

@@ -152,6 +152,12 @@ class PartsUpload:
       self._send()
     for future in self._futures:
       future.result()
+    self._join()
+    self._done = True
+    self._pool.shutdown()
+
+  def _join(self) -> None:
+    """The store joins the parts sent into the object (and forgets them)."""
     bucket, key = self._key.split("/", 1)
     if self._s3:
       self._fs.call_s3(
@@ -162,8 +168,6 @@ class PartsUpload:
     else:
       self._compose([self._parts[n] for n in sorted(self._parts)])
       self._remove_parts()
-    self._done = True
-    self._pool.shutdown()
 
   def _compose(self, names: list[str]) -> None:
     """Joins `names` into the object (in rounds of at most 32 each)."""
