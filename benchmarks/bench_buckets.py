@@ -318,9 +318,18 @@ def _child_naive_migrate(src: str, dst: str) -> dict:
 
 
 def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
-  """`migration.migrate`; `migrate@W`: TensorStore's window W MiB."""
+  """`migration.migrate`; `migrate@W`: TensorStore's window W MiB.
+
+  `migrate@WxF` also asks Orbax for OCDBT data files of F MiB
+  (`PyTreeSave(ocdbt_target_data_file_size=...)`; Orbax's default on GCS
+  is 400 MiB), which lets TensorStore upload a flush as parallel files: an
+  experiment, not what `migrate` does.
+  """
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
+  window_mib, _, file_mib = window_mib.partition("x")
+  if file_mib:
+    _orbax_data_files(int(file_mib) * 2**20)
   inflight = int(window_mib) * 2**20 if window_mib else None
   base = _rss_anon()
   _warm(src)
@@ -332,6 +341,20 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
     raise RuntimeError(f"migration failed: {failed}")
   return {"seconds": time.perf_counter() - start,
           "extra_rss": peak.peak - base}
+
+
+def _orbax_data_files(size: int) -> None:
+  """Makes Orbax's PyTreeSave ask TensorStore for data files of `size`."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  base = ocp.args.PyTreeSave
+
+  class SizedPyTreeSave(base):
+
+    def __init__(self, item=None, **kwargs):
+      kwargs.setdefault("ocdbt_target_data_file_size", size)
+      super().__init__(item, **kwargs)
+
+  ocp.args.PyTreeSave = SizedPyTreeSave
 
 
 _CHILDREN = {"link": _child_link, "ceiling": _child_link,
