@@ -124,6 +124,14 @@ def fetch_ranges(read: Callable[[int, int], bytes], path: str, fd: int,
   return len(pieces)
 
 
+class FetchFailedError(RuntimeError):
+  """A range advised as needed could not be fetched (its cause says why).
+
+  Not an OSError: callers of `madvise` take an OSError for a refused hint
+  and go on to read the range, which would be the sparse file's zeros.
+  """
+
+
 class _SpoolMap(mmap.mmap):
   """A spool's map: advice that a range will be needed fetches it first."""
 
@@ -131,9 +139,18 @@ class _SpoolMap(mmap.mmap):
 
   def madvise(self, option: int, start: int = 0, length: Optional[int] = None
               ) -> None:
+    """`mmap.madvise`; MADV_WILLNEED fetches the range first.
+
+    Raises:
+      FetchFailedError: The range could not be fetched.
+    """
     if option == mmap.MADV_WILLNEED and self.spool is not None:
       end = len(self) if length is None else start + length
-      self.spool.ensure([(start, end)])
+      try:
+        self.spool.ensure([(start, end)])
+      except Exception as e:  # pylint: disable=broad-except
+        raise FetchFailedError(f"{self.spool.path}: bytes {start}-{end} "
+                               f"could not be fetched ({e})") from e
     if length is None:
       return super().madvise(option, start)
     return super().madvise(option, start, length)

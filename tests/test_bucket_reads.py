@@ -420,3 +420,38 @@ def test_object_cache_keeps_the_source_only(proxy):
   storage.read_bytes(f"{root}/run/ckpt-1.index")  # outside: no cache
   storage.read_bytes(f"{root}/run/ckpt-1.index")
   assert _downloads(proxy)["ckpt-1.index"] == 2
+
+
+def test_a_failed_fetch_of_a_streamed_array_fails_the_step(proxy, tmp_path,
+                                                            monkeypatch):
+  # The arrays are fetched as Orbax's writer advises them: a read that
+  # fails there must fail the step, never let it write the spool's zeros.
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  state = {"step": np.int64(3), "params": {
+      f"w{i}": np.full(_MIB // 4, i + 1, np.float32) for i in range(4)}}
+  bucket = proxy.store.bucket()
+  fs = proxy.store.fs()
+  fs.pipe_file(f"{bucket}/run/ckpt-3.flax", flax_format.save(state))
+  fs.pipe_file(f"{bucket}/run/checkpoint",
+               b'model_checkpoint_path: "ckpt-3"\n')
+  streaming = flax_format.FlaxFile.streaming_tree
+
+  def then_fail(self):
+    tree = streaming(self)
+
+    def broken(*args, **kwargs):
+      raise OSError(5, "link down", self.path)
+
+    monkeypatch.setattr(fsspec_fs.FsspecFileSystem, "fetch_into", broken)
+    return tree
+
+  monkeypatch.setattr(flax_format.FlaxFile, "streaming_tree", then_fail)
+  dst = tmp_path / "orbax"
+  summary = migration.migrate(f"{proxy.store.scheme}://{bucket}/run",
+                              str(dst))
+  assert not summary.ok
+  (failed,) = summary.failed
+  assert "could not be fetched" in failed.error and "link down" in (
+      failed.error), failed.error
+  from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
+  assert orbax_root.list_steps(str(dst))[0] == []
