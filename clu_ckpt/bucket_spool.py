@@ -41,6 +41,10 @@ from clu_ckpt import bucket_client
 SPOOL_CHUNK = 8 * 2**20
 SPOOL_READS = 8
 _MIN_CHUNK = 2**20
+# Reads in flight when a consumer advises a range as needed (the migration's
+# writer, array by array): enough to keep ahead of its upload, at half the
+# memory of a whole-object read (whose reads would stack on the writer's).
+READ_AHEAD_STREAMS = 4
 
 
 def streams() -> int:
@@ -57,7 +61,8 @@ def streams() -> int:
 
 
 def fetch_ranges(read: Callable[[int, int], bytes], path: str, fd: int,
-                 ranges: list[tuple[int, int]], size: int) -> int:
+                 ranges: list[tuple[int, int]], size: int,
+                 width: Optional[int] = None) -> int:
   """Copies byte ranges of an object into file `fd` at the same offsets.
 
   `read(start, end)` returns the object's bytes [start, end) (one ranged
@@ -76,7 +81,7 @@ def fetch_ranges(read: Callable[[int, int], bytes], path: str, fd: int,
     OSError: A read failed, returned fewer bytes than asked (the object
       changed), or the local copy could not be written.
   """
-  width = streams()
+  width = width or streams()
   # Ranges of SPOOL_CHUNK, smaller for small objects: what is in flight
   # (held about twice as it arrives) stays near 0.2x the object.
   chunk = min(SPOOL_CHUNK, max(_MIN_CHUNK, size // (10 * width)))
@@ -147,7 +152,8 @@ class _SpoolMap(mmap.mmap):
     if option == mmap.MADV_WILLNEED and self.spool is not None:
       end = len(self) if length is None else start + length
       try:
-        self.spool.ensure([(start, end)])
+        self.spool.ensure([(start, end)],
+                          width=min(READ_AHEAD_STREAMS, streams()))
       except Exception as e:  # pylint: disable=broad-except
         raise FetchFailedError(f"{self.spool.path}: bytes {start}-{end} "
                                f"could not be fetched ({e})") from e
@@ -228,8 +234,13 @@ class SparseSpool:
     """Whether [start, end) is all fetched."""
     return not self.missing(start, end)
 
-  def ensure(self, ranges: list[tuple[int, int]]) -> None:
+  def ensure(self, ranges: list[tuple[int, int]],
+             width: Optional[int] = None) -> None:
     """Fetches whatever of `ranges` is not here yet, many reads in flight.
+
+    Args:
+      ranges: (start, end) byte ranges.
+      width: Reads in flight (default `streams()`).
 
     Raises:
       OSError: A read failed or the object changed; the local copy could
@@ -248,7 +259,7 @@ class SparseSpool:
       if sum(e - s for s, e in todo) > self.size // 2:
         self._reserve()
       self.requests += self._fs.fetch_into(self.path, self._file.fileno(),
-                                           todo, self.size)
+                                           todo, self.size, width=width)
       self.fetched += sum(e - s for s, e in todo)
       self._have = _merge(self._have + todo)
 
