@@ -291,6 +291,7 @@ def _downloads(proxy):
   return out
 
 
+@pytest.mark.thorough("s3")  # the same code as on gs://
 def test_a_migration_downloads_each_source_file_once(proxy, tmp_path):
   if not os.path.isdir(_GOLDEN):
     pytest.skip(f"golden fixture {_GOLDEN} is not available")
@@ -422,6 +423,7 @@ def test_object_cache_keeps_the_source_only(proxy):
   assert _downloads(proxy)["ckpt-1.index"] == 2
 
 
+@pytest.mark.thorough("s3")  # the same code as on gs://
 def test_a_failed_fetch_of_a_streamed_array_fails_the_step(proxy, tmp_path,
                                                             monkeypatch):
   # The arrays are fetched as Orbax's writer advises them: a read that
