@@ -54,6 +54,7 @@ Synopsis::
   fs.read_bytes("gs://bucket/ckpts/ckpt-3.flax", offset=8, length=16)
   buf = fs.map("gs://bucket/ckpts/ckpt-3.flax")   # a spooled memory map
 """
+
 from __future__ import annotations
 
 import contextlib
