@@ -65,9 +65,13 @@ METADATA_ITEM = "metadata"
 DEFAULT_INFLIGHT_BYTES = 128 * 2**20
 # The same for a bucket destination (`gs://`): TensorStore's GCS writes hold
 # the bytes they are given until the upload is acknowledged, on top of the
-# copies compression makes, so the window is smaller there. Measured against
-# fake-gcs-server, gs:// -> gs://, a 200 MB state: extra peak RssAnon 160 MiB
-# with 16 MiB, 280 MiB with 128 MiB; about 140 MiB of it is a fixed cost
+# copies compression makes, so the window is smaller there. Chosen by
+# measurement (benchmarks/bench_buckets.py, migrate@W): gs:// -> gs://, 480
+# MiB, fake-gcs-server's memory store behind the 30 ms / 60 MB/s-per-
+# connection proxy, 2 runs, medians, a loaded 2-core machine: 16 MiB 26.8 s
+# (extra peak RssAnon 0.44x the checkpoint), 32 MiB 28.0 s (0.44x), 64 MiB
+# 27.9 s (0.42x), 128 MiB 24.5 s (0.60x): no gain up to 64 MiB, and 9% at
+# 128 MiB for +0.16x memory. About 140 MiB of the memory is a fixed cost
 # (TensorStore, Orbax; the same locally), so the extra memory is below a
 # quarter of the checkpoint's size from checkpoints of about 1 GB up.
 REMOTE_INFLIGHT_BYTES = 16 * 2**20

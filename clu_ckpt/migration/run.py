@@ -64,6 +64,7 @@ ProgressFn = results.ProgressFn
 MigrationInterrupted = results.MigrationInterrupted
 
 
+@storage.caching_source_objects("source", "destination")  # read once
 def migrate(source: str,
             destination: str,
             *,
@@ -512,7 +513,12 @@ class _Writer:
         if other != host:
           verify_lib.compare_hosts(ckpt, host, other, handle)
     dataset, tf_state = plan.dataset_tree(ckpt)
-    state, encodings = codec.encode_state(handle.tree)
+    # A bucket's arrays are fetched as the writer reaches them (the next
+    # ones' download overlapping the current upload) by Orbax's own target,
+    # whose writer advises each array before writing it.
+    streamed = type(self.target) is orbax_target.OrbaxTarget
+    state, encodings = codec.encode_state(
+        handle.streaming_tree() if streamed else handle.tree)
     meta = self._metadata(ckpt, step, host, compared, handle.leaves,
                           encodings, tf_state, dataset)
     extra = {}
