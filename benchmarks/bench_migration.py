@@ -47,6 +47,22 @@ migration child imports its libraries, records its RssAnon (anonymous
 resident memory, not the page cache) as the baseline, then samples RssAnon
 every 5 ms while it works.
 
+Children import compiled bytecode, as a package installed by pip does
+(`--bytecode`, the default): PYTHONDONTWRITEBYTECODE is dropped from their
+environment and PYTHONPYCACHEPREFIX=<workdir>/pycache set, filled by an
+untimed warm-up (a tiny `clu-ckpt migrate` per tree and the other
+children's imports) before anything is timed. Without it, an environment
+with PYTHONDONTWRITEBYTECODE=1 compiles clu_ckpt's modules in every child
+(about 0.1 s per process on the 2-core machine).
+
+`--tiny` times whole processes of a tiny run (two small checkpoints with a
+tf.data iterator) side by side, one of each per round: `clu-ckpt migrate`
+(per tree), the floor of any migration through Orbax (`python -c 'import
+orbax.checkpoint'`, and a script saving the same items of the same two
+steps with the same handlers, `_BARE_ORBAX_SAVE`; each also as it exits
+when it skips the shutdown's garbage collection, as `clu-ckpt migrate`
+does, see `clu_ckpt.quick_exit`) and an empty interpreter.
+
 Reported per method (medians over `--runs`): the whole process's wall time
 (interpreter start to exit, timed by the parent: issue 20 item 5's measure,
 with the load average as each run ended); the work's wall time; the ratio naive /
