@@ -33,6 +33,7 @@ from clu_ckpt import __version__
 from clu_ckpt import errors
 from clu_ckpt import flax_format
 from clu_ckpt import layout
+from clu_ckpt import orbax_root
 from clu_ckpt import storage
 from clu_ckpt.migration import codec
 from clu_ckpt.migration import destination as destination_lib
@@ -239,7 +240,12 @@ def migrate(source: str,
       results[ckpt.number] = StepResult(ckpt.number, None, "failed",
                                         error=describe_error(e))
   try:
-    naming, mapping = plan.name_steps(usable, steps, step_naming)
+    numbered = orbax_root.saved_by_checkpoint(
+        destination, step_prefix=step_prefix,
+        step_format_fixed_length=step_format_fixed_length)
+    naming, mapping = plan.name_steps(
+        usable, steps, step_naming,
+        numbered_root=destination if numbered else None)
     notify = _with_plan(notify, len(chosen), sizes)
     for number, result in results.items():
       notify(Progress("failed", number, result.step, message=result.error))
