@@ -53,7 +53,8 @@ The package's modules, each owning one part:
   `migrate(..., target=...)` accepts) and `OrbaxTarget`, its one
   implementation (the default); the only user of a private Orbax API;
   `list_steps`.
-- `memory`: the byte budget, read-ahead and heap trimming of the writer.
+- `memory`: the byte budget, read-ahead, aligned staging and heap trimming
+  of the writer.
 - `template`: the state in a train state's structure (`from_template`).
 - `destination`: the destination's lock and manifest (a fleet's safety).
 - `verify`: comparing a step with its source, and hosts with each other.
