@@ -970,6 +970,16 @@ def _searched(pattern: str) -> str:
   return head if _SCHEME_RE.match(head) and split_url(head)[1] else pattern
 
 
+def _timeouts() -> tuple[type[BaseException], ...]:
+  """The exceptions of a coroutine that timed out.
+
+  asyncio's TimeoutError (aiohttp's socket timeouts, `wait_for`) is the
+  builtin one from Python 3.11 on, a class of its own before.
+  """
+  import asyncio  # pylint: disable=g-import-not-at-top
+  return (TimeoutError, asyncio.TimeoutError)
+
+
 def _no_answer(endpoint: str) -> StoreUnreachableError:
   return StoreUnreachableError(
       errno.ETIMEDOUT, f"no answer from the store at {endpoint} within "
@@ -1015,7 +1025,8 @@ def _first_contact_gcs(gcsfs: Any) -> Any:
   import google.auth.exceptions  # pylint: disable=g-import-not-at-top
   base = gcsfs.GCSFileSystem
   once = getattr(base._request, "__wrapped__", None)  # pylint: disable=protected-access
-  unanswered = (aiohttp.ClientConnectionError, TimeoutError,
+  timeouts = _timeouts()
+  unanswered = (aiohttp.ClientConnectionError, *timeouts,
                 google.auth.exceptions.GoogleAuthError)
 
   class FirstContactGCSFileSystem(base):
@@ -1032,7 +1043,7 @@ def _first_contact_gcs(gcsfs: Any) -> Any:
           sock_read=FIRST_CONTACT_SECONDS)
       try:
         result = await once(self, method, path, *args, **kwargs)
-      except TimeoutError as e:
+      except timeouts as e:
         raise _no_answer(self._location) from e
       except unanswered:
         raise
@@ -1061,6 +1072,7 @@ def _first_contact_s3(s3fs: Any) -> Any:
   # No response at all (a status comes as ClientError, which s3fs turns
   # into FileNotFoundError, PermissionError...).
   unanswered = (botocore.exceptions.BotoCoreError, ConnectionError)
+  timeouts = _timeouts()
 
   class FirstContactS3FileSystem(s3fs.S3FileSystem):
     """s3fs, with no retries and a deadline until the store answers."""
@@ -1075,7 +1087,7 @@ def _first_contact_s3(s3fs: Any) -> Any:
       try:
         result = await asyncio.wait_for(
             super()._call_s3(method, *args, **kwargs), FIRST_CONTACT_SECONDS)
-      except TimeoutError as e:
+      except timeouts as e:
         raise _no_answer(self.client_kwargs.get("endpoint_url") or
                          os.environ.get("AWS_ENDPOINT_URL") or "S3") from e
       except unanswered:
