@@ -87,6 +87,7 @@ MIGRATION_TESTS = [
     "tests/test_migration_orbax_target.py", "tests/test_migration_plan.py",
     "tests/test_migration_run.py", "tests/test_migration_template.py",
     "tests/test_migration_verify.py", "tests/test_migrate_runs.py",
+    "tests/test_migration_fleet.py",
     "tests/test_orbax_items.py", "tests/test_orbax_root.py",
     "tests/test_orbax_lines.py", "tests/test_cli.py",
     "tests/test_inspection.py",
