@@ -230,6 +230,16 @@ def __getattr__(name: str) -> Any:
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _timeouts() -> tuple[type[BaseException], ...]:
+  """The exceptions of a coroutine that timed out.
+
+  asyncio's TimeoutError (aiohttp's socket timeouts, `wait_for`) is the
+  builtin one from Python 3.11 on, a class of its own before.
+  """
+  import asyncio  # pylint: disable=g-import-not-at-top
+  return (TimeoutError, asyncio.TimeoutError)
+
+
 def _first_contact_gcs(gcsfs: Any) -> Any:
   """gcsfs' file system class, failing fast until the store first answers.
 
@@ -246,7 +256,8 @@ def _first_contact_gcs(gcsfs: Any) -> Any:
   import google.auth.exceptions  # pylint: disable=g-import-not-at-top
   base = gcsfs.GCSFileSystem
   once = getattr(base._request, "__wrapped__", None)  # pylint: disable=protected-access
-  unanswered = (aiohttp.ClientConnectionError, TimeoutError,
+  timeouts = _timeouts()
+  unanswered = (aiohttp.ClientConnectionError, *timeouts,
                 google.auth.exceptions.GoogleAuthError)
 
   class FirstContactGCSFileSystem(base):
@@ -263,7 +274,7 @@ def _first_contact_gcs(gcsfs: Any) -> Any:
           sock_read=FIRST_CONTACT_SECONDS)
       try:
         result = await once(self, method, path, *args, **kwargs)
-      except TimeoutError as e:
+      except timeouts as e:
         raise _no_answer(self._location) from e
       except unanswered:
         raise
@@ -289,6 +300,7 @@ def _first_contact_s3(s3fs: Any) -> Any:
     return _CLASSES["s3"]
   import asyncio  # pylint: disable=g-import-not-at-top
   import botocore.exceptions  # pylint: disable=g-import-not-at-top
+  timeouts = _timeouts()
   # No response at all (a status comes as ClientError, which s3fs turns
   # into FileNotFoundError, PermissionError...).
   unanswered = (botocore.exceptions.BotoCoreError, ConnectionError)
@@ -306,7 +318,7 @@ def _first_contact_s3(s3fs: Any) -> Any:
       try:
         result = await asyncio.wait_for(
             super()._call_s3(method, *args, **kwargs), FIRST_CONTACT_SECONDS)
-      except TimeoutError as e:
+      except timeouts as e:
         raise _no_answer(self.client_kwargs.get("endpoint_url") or
                          os.environ.get("AWS_ENDPOINT_URL") or "S3") from e
       except unanswered:

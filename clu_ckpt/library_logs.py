@@ -5,6 +5,11 @@ warnings (and gcsfs whole tracebacks, once per retried request) that
 repeat what clu_ckpt reports itself in one line. `clu-ckpt` runs its
 commands inside `quieted()`, and `--verbose` leaves the logs as they are.
 
+Warnings are left alone, but for one: google-api-core's notice that the
+running Python is (or will soon be) out of its support, a FutureWarning
+printed to stderr at the first `gs://` use of every command on such a
+Python; the command's errors are one line.
+
 What Python logging cannot reach (see README, "Quiet output"): TensorStore's
 C++ log lines, such as `google_auth_provider.cc` saying it found no
 credentials file when no credentials are configured. They are written by C++
@@ -29,6 +34,7 @@ import os
 import sys
 import threading
 from typing import Any, Iterator
+import warnings
 
 from absl import logging as absl_logging
 
@@ -36,6 +42,9 @@ from absl import logging as absl_logging
 NOISY_LOGGERS = ("absl", "asyncio", "jax", "orbax", "tensorflow",
                  "google.auth", "gcsfs", "fsspec", "s3fs", "aiobotocore",
                  "botocore", "aiohttp", "urllib3")
+# The module whose FutureWarnings (all about the running Python's support by
+# Google's client libraries, warned once per package at import) are dropped.
+PYTHON_SUPPORT_NOTICE_MODULE = r"google\.api_core\._python_version_support"
 
 
 @contextlib.contextmanager
@@ -47,7 +56,8 @@ def quieted(verbose: bool = False) -> Iterator[None]:
   each failed request's, and the caller reports every failure itself), sets
   `TF_CPP_MIN_LOG_LEVEL=2` unless set, and drops unraisable exceptions and
   uncaught thread exceptions (an abandoned step's writes end in TensorStore
-  callbacks that find Orbax's event loop closed). Everything is restored
+  callbacks that find Orbax's event loop closed), and ignores the
+  FutureWarnings of `PYTHON_SUPPORT_NOTICE_MODULE`. Everything is restored
   when the block ends.
 
   Args:
@@ -68,7 +78,10 @@ def quieted(verbose: bool = False) -> Iterator[None]:
   hooks = sys.unraisablehook, threading.excepthook
   sys.unraisablehook = threading.excepthook = lambda *_: None
   try:
-    yield
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", category=FutureWarning,
+                              module=PYTHON_SUPPORT_NOTICE_MODULE)
+      yield
   finally:
     sys.unraisablehook, threading.excepthook = hooks
     absl_logging.set_verbosity(verbosity)

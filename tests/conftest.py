@@ -130,7 +130,79 @@ ORBAX_MODULES = re.compile(r"test_(migration|migrate_runs|orbax_items|"
                            r"orbax_root)[a-z_]*\.py$")
 
 
+# A test that needs that Orbax and carries no mark is not failed either: on an
+# older Orbax, a test that fails (or errs in a fixture) after the migration
+# refused for that reason is reported as skipped. Exactly that refusal
+# counts: `orbax_target.check_orbax_version` of the installed version raising
+# in this process (whatever the test did with the error after), or its
+# message in the failure's text or captured output (a `clu-ckpt` child, a
+# docs block). Any other failure stays a failure; on a recent Orbax nothing
+# changes.
+_refused: list[str] = []
+_REFUSAL_KEY = pytest.StashKey[Optional[str]]()
+
+
+def orbax_refusal() -> Optional[str]:
+  """The start of the migration's refusal of the installed Orbax, or None.
+
+  E.g. "migrating needs orbax-checkpoint >= 0.12.5 and the installed
+  orbax-checkpoint is 0.6.4" (the product's own message, up to its first
+  ";"); None when the installed Orbax is recent enough.
+  """
+  if orbax_skip_reason() is None:
+    return None
+  from clu_ckpt import errors  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
+  try:
+    orbax_target.require_orbax()
+  except errors.MigrationError as e:
+    return str(e).split(";")[0]
+  return None
+
+
+def _record_refusals() -> None:
+  """Wraps `check_orbax_version` to note each refusal of the installed Orbax."""
+  from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
+  check = orbax_target.check_orbax_version
+  installed = orbax_target.installed_orbax_version()
+
+  def recording(version):
+    try:
+      return check(version)
+    except Exception as e:
+      if version == installed:
+        _refused.append(str(e))
+      raise
+
+  orbax_target.check_orbax_version = recording
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+  del item
+  _refused.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item):
+  outcome = yield
+  report = outcome.get_result()
+  refusal = item.config.stash.get(_REFUSAL_KEY, None)
+  if not (refusal and report.failed and report.when in ("setup", "call")):
+    return
+  text = "\n".join([str(report.longrepr)] +
+                    [content for _, content in report.sections])
+  if _refused or refusal in text:
+    report.outcome = "skipped"
+    report.longrepr = (str(item.path), item.location[1] or 0,
+                       f"Skipped: {orbax_skip_reason()} (the migration "
+                       f"refused: {refusal})")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+  config.stash[_REFUSAL_KEY] = refusal = orbax_refusal()
+  if refusal:
+    _record_refusals()
   config.addinivalue_line(
       "markers", "orbax: needs orbax-checkpoint >= 0.12.5 (the migration's); "
       "skipped on an older Orbax")

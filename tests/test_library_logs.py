@@ -1,9 +1,12 @@
 """Tests of clu_ckpt.library_logs: the libraries stay quiet unless asked."""
 
+import datetime
 import logging
 import sys
+import warnings
 
 from absl import logging as absl_logging
+import pytest
 
 from clu_ckpt import library_logs
 
@@ -25,6 +28,22 @@ def test_verbose_leaves_the_logs_alone(caplog):
   with library_logs.quieted(verbose=True):
     logging.getLogger("gcsfs").error("_request out of retries")
   assert "out of retries" in caplog.text
+
+
+def test_quieted_drops_only_googles_python_support_notice():
+  # On Python 3.10, importing gcsfs' google.api_core printed this to stderr
+  # for every gs:// command. The date puts any Python past its support.
+  support = pytest.importorskip("google.api_core._python_version_support")
+  later = datetime.date(2200, 1, 1)
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    with library_logs.quieted():
+      support.check_python_version("google.api_core", today=later)
+      warnings.warn("another library's", FutureWarning)
+    support.check_python_version("google.api_core", today=later)
+  assert [(w.category, str(w.message)[:45]) for w in seen] == [
+      (FutureWarning, "another library's"),
+      (FutureWarning, "You are using a non-supported Python version ")]
 
 
 class _CallsLoopOnDeath:

@@ -56,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -134,7 +135,28 @@ _SAVE = "clu_ckpt.checkpoint:Checkpoint.save"
 
 
 def _code_name(frame) -> str:
-  return f"{frame.f_globals.get('__name__')}:{frame.f_code.co_qualname}"
+  return f"{frame.f_globals.get('__name__')}:{_qualname(frame)}"
+
+
+def _qualname(frame) -> str:
+  """The qualified name of the function `frame` runs ("_Sink.large")."""
+  code = frame.f_code
+  if sys.version_info >= (3, 11):
+    return code.co_qualname
+  # Python 3.10's code objects have no co_qualname: the function (or method
+  # of a class) with this code among the module's names has it.
+  for value in list(frame.f_globals.values()):
+    members = vars(value).values() if isinstance(value, type) else [value]
+    for member in list(members):
+      if isinstance(member, (staticmethod, classmethod)):
+        member = member.__func__
+      elif isinstance(member, property):
+        member = member.fget
+      while isinstance(member, types.FunctionType):
+        if member.__code__ is code:
+          return member.__qualname__
+        member = getattr(member, "__wrapped__", None)  # functools.wraps
+  return code.co_name
 
 
 class KillTrigger:
