@@ -1,6 +1,7 @@
 """Tests for clu_ckpt.migration.verify: a step against its source, hosts
 against each other, as `migrate` uses them."""
 
+import dataclasses
 import shutil
 import struct
 
@@ -151,6 +152,28 @@ def test_verify_step_compares_the_dataset(migrated_special, tmp_path):
   with pytest.raises(errors.VerificationError, match="dataset/process_0 "
                      "differs"):
     verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+
+
+def test_verify_step_notices_a_dataset_the_source_lacks(migrated_special,
+                                                        tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  for suffix in (".index", ".data-00000-of-00001"):
+    (tmp_path / "src" / f"ckpt-1{suffix}").unlink()
+  with pytest.raises(errors.VerificationError,
+                     match=f"step {steps[0]} has an unexpected dataset"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+
+
+def test_verify_step_notices_a_host_missing_from_the_dataset(migrated_special,
+                                                             tmp_path):
+  # The source as two hosts (the second one's TensorFlow files those of
+  # checkpoint 2); the step holds one host's iterator only.
+  first, second, steps = _copy_migrated(migrated_special, tmp_path)
+  two_hosts = dataclasses.replace(
+      first, prefixes={0: first.prefixes[0], 1: second.prefixes[0]})
+  with pytest.raises(errors.VerificationError,
+                     match="dataset/process_1 differs"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], two_hosts, host=0)
 
 
 def test_verify_step_notices_extra_leaves_in_the_step(migrated_special,
