@@ -154,6 +154,22 @@ def test_verify_step_compares_the_dataset(migrated_special, tmp_path):
     verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
 
 
+def test_verify_step_names_a_leaf_missing_from_the_step(migrated_special,
+                                                       tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  _rewrite_source(tmp_path, lambda state: state.update(momentum=0.5))
+  with pytest.raises(errors.VerificationError,
+                     match="does not hold the same leaves as .*: /momentum$"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+
+
+def test_verify_step_of_a_step_orbax_does_not_list(migrated_special, tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  with pytest.raises(errors.VerificationError,
+                     match=f"Orbax does not list step {max(steps) + 1} in "):
+    verify.verify_step(str(tmp_path / "dst"), max(steps) + 1, first, host=0)
+
+
 def test_verify_step_notices_a_dataset_the_source_lacks(migrated_special,
                                                         tmp_path):
   first, _, steps = _copy_migrated(migrated_special, tmp_path)
