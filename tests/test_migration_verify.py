@@ -170,6 +170,20 @@ def test_verify_step_of_a_step_orbax_does_not_list(migrated_special, tmp_path):
     verify.verify_step(str(tmp_path / "dst"), max(steps) + 1, first, host=0)
 
 
+def test_verify_step_of_a_step_that_cannot_be_read_back(migrated_special,
+                                                       tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  for chunk in (tmp_path / "dst" / str(steps[0]) / "state").glob("**/d/*"):
+    chunk.unlink()
+  with pytest.raises(errors.VerificationError) as raised:
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+  cause = raised.value.__cause__
+  assert cause is not None
+  first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+  assert str(raised.value) == (
+      f"verify: step {steps[0]} cannot be read back: {first_line}")
+
+
 def test_verify_step_notices_a_dataset_the_source_lacks(migrated_special,
                                                         tmp_path):
   first, _, steps = _copy_migrated(migrated_special, tmp_path)
