@@ -1,6 +1,7 @@
 """Tests for clu_ckpt.migration.verify: a step against its source, hosts
 against each other, as `migrate` uses them."""
 
+import copy
 import dataclasses
 import re
 import shutil
@@ -231,3 +232,18 @@ def test_same_leaf_is_bit_exact():
   assert not verify.same_leaf([0.0], [-0.0])
   assert not verify.same_leaf([0.0], [0.0, 0.0])
   assert not verify.same_leaf({"a": 1, "b": 2}, {"b": 2, "a": 1})
+
+
+def test_same_leaf_says_same_only_of_equal_leaves():
+  # Equal leaves of every kind are the same; one differing bit or value in
+  # them is not.
+  for x, y in [(complex(1.5, -2.0), complex(1.5, -2.5)),
+               ([1.0, np.float32(2)], [1.0, np.float32(3)]),
+               ((1, "a"), (1, "b")),
+               ({"a": [1.0], "b": 2}, {"a": [1.5], "b": 2}),
+               (7, 8), ("s", "t"), (b"x", b"y"), (True, False),
+               (np.arange(6, dtype=np.int32).reshape(2, 3),
+                np.arange(1, 7, dtype=np.int32).reshape(2, 3))]:
+    assert verify.same_leaf(x, copy.deepcopy(x)), x
+    assert not verify.same_leaf(x, y), (x, y)
+  assert verify.same_leaf(None, None)
