@@ -234,6 +234,28 @@ def test_same_leaf_is_bit_exact():
   assert not verify.same_leaf({"a": 1, "b": 2}, {"b": 2, "a": 1})
 
 
+def test_hosts_files_are_the_same_bytes_only_when_every_byte_is(
+    tmp_path, monkeypatch):
+  # The byte comparison that lets two hosts' `.flax` files skip decoding:
+  # a size difference, or one bit anywhere (first byte, a later block, a
+  # float64's sign), makes them different.
+  monkeypatch.setattr(verify, "_COMPARE_BLOCK", 16)
+  data = bytes(range(64))
+  a = tmp_path / "a"
+  a.write_bytes(data)
+  b = tmp_path / "b"
+  b.write_bytes(data)
+  assert verify._same_bytes(str(a), str(b))
+  changes = [data + b"\0", bytes([1]) + data[1:], data[:63] + bytes([0]),
+             bytes(8) + bytes([0] * 7 + [0x80]) + data[16:]]
+  for first, second in [(data, changes[0]), (data, changes[1]),
+                        (data, changes[2]),
+                        (bytes(16) + data[16:], changes[3])]:
+    a.write_bytes(first)
+    b.write_bytes(second)
+    assert not verify._same_bytes(str(a), str(b)), second
+
+
 def test_same_leaf_says_same_only_of_equal_leaves():
   # Equal leaves of every kind are the same; one differing bit or value in
   # them is not.
