@@ -22,6 +22,8 @@ Sessions:
   oldest: Python 3.11, tensorflow-cpu 2.16.2, jax 0.4.30, flax 0.8.5, numpy
     1.26.4, Orbax 0.6.4, and the lowest versions setup.py declares for
     msgpack, ml_dtypes, absl-py and tqdm.
+  oldest_python: the oldest stack on Python 3.10 (setup.py's
+    `python_requires`).
   middle: tensorflow-cpu 2.18.1, jax 0.5.3, flax 0.10.6, numpy 2.0, Orbax 0.11.
   newest: the `.[test]` pins (what CI runs).
   migration_oldest: the migration's own environment at the lowest versions
@@ -42,6 +44,8 @@ nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 
 PYTHON = "3.11"
+# `python_requires` in setup.py.
+OLDEST_PYTHON = "3.10"
 
 # What the test suite needs besides the stack (the `.[test]` extra's tools).
 TEST_TOOLS = [
@@ -83,6 +87,7 @@ MIGRATION_TESTS = [
     "tests/test_migration_orbax_target.py", "tests/test_migration_plan.py",
     "tests/test_migration_run.py", "tests/test_migration_template.py",
     "tests/test_migration_verify.py", "tests/test_migrate_runs.py",
+    "tests/test_migration_fleet.py",
     "tests/test_orbax_items.py", "tests/test_orbax_root.py",
     "tests/test_orbax_lines.py", "tests/test_cli.py",
     "tests/test_inspection.py",
@@ -111,6 +116,13 @@ def _pytest(session: nox.Session, *default: str) -> None:
 @nox.session(python=PYTHON)
 def oldest(session: nox.Session) -> None:
   """The drop-in and read tools on the oldest supported stack."""
+  _install(session, "tf,jax", STACKS["oldest"])
+  _pytest(session, "tests")
+
+
+@nox.session(python=OLDEST_PYTHON)
+def oldest_python(session: nox.Session) -> None:
+  """The oldest stack on the oldest Python setup.py accepts."""
   _install(session, "tf,jax", STACKS["oldest"])
   _pytest(session, "tests")
 

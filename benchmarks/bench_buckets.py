@@ -8,7 +8,11 @@ Synopsis::
 
 Everything runs against fake-gcs-server on 127.0.0.1 (`tests/emulators.py`;
 `--backend memory` for its in-memory store, whose uploads are not serialised
-by one lock as the file-system store's are), reached through
+by one lock as the file-system store's are), or with `--store s3` against
+moto's S3 server (multipart uploads in parallel; but each ranged GET costs
+moto a copy of the whole object, so ranged reads are the emulator's limit
+there, and the migration writes to a local directory: Orbax restores no
+`s3://` step), reached through
 `tests/link_proxy.py`: a proxy on 127.0.0.1 that adds `--rtt-ms` of round
 trip (30) and lets each connection carry at most `--mbps` MB/s (60) each way,
 and counts the bytes and requests that cross it. A CLU checkpoint of about
@@ -16,6 +20,13 @@ and counts the bytes and requests that cross it. A CLU checkpoint of about
 and bfloat16 moments of 64 MiB, a `step` first) is uploaded to the emulator
 directly. Each measurement runs in a fresh process; per round:
 
+- Any method takes a suffix `+plain` (through the unshaped proxy) or
+  `+direct` (straight to the emulator: its own service time, apart from the
+  client's and the link's), and `!base` (run with `--baseline DIR` on
+  PYTHONPATH: the code before, side by side).
+- `uplink@N`: as many bytes as the `.flax` sent as 8 MiB parts, N at a time
+  (S3: one multipart upload; GCS: separate objects): what N connections
+  carry upwards, the reference of the writes and of the migration.
 - `link@N`: what N connections of the modelled link carry: the `.flax`
   downloaded by N ranged reads of 32 MiB always in flight (gcsfs
   `cat_file`), through the proxy; `ceiling@N` the same through an unshaped
@@ -30,9 +41,13 @@ directly. Each measurement runs in a fresh process; per round:
 - `naive_put`: gcsfs `pipe_file` of as many bytes as the `.flax` (one
   stream); `save`: `clu_ckpt.checkpoint.Checkpoint(url).save(state)` of a
   state of that size (TensorFlow imported before the clock starts);
-  `save_flax`: its `.flax` alone (`flax_format.save_file`).
+  `save_flax`: its `.flax` alone (`flax_format.save_file`); `join s`: the
+  seconds the store took to join the parts (GCS compose, S3 complete: a
+  metadata operation on a real bucket, a copy of every byte in the
+  emulators).
 - `naive_migrate`: `cat_file`, `msgpack_restore`, Orbax `CheckpointManager.
-  save`; `migrate`: `clu_ckpt.migration.migrate(url, url2)`.
+  save`; `migrate`: `clu_ckpt.migration.migrate(url, url2)` (`migrate@W`:
+  with TensorStore's in-flight window W MiB).
 
 Reported per method (medians): seconds, MB/s of the `.flax` (10^6 bytes/s),
 that as a fraction of `link@N` for the N streams it used (the most
@@ -45,6 +60,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shutil
 import statistics
 import subprocess
@@ -76,18 +92,29 @@ def _rss_anon() -> int:
 # --------------------------------------------------------------------------
 
 
-def _gcsfs():
+def _gcsfs(url: str = "gs://"):
+  """The naive client of `url`'s store: gcsfs or s3fs, no caches."""
+  if url.startswith("s3://"):
+    import s3fs  # pylint: disable=g-import-not-at-top
+    return s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+                             skip_instance_cache=True,
+                             use_listings_cache=False)
   import gcsfs  # pylint: disable=g-import-not-at-top
   return gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True,
                              use_listings_cache=False)
+
+
+def _key(url: str) -> str:
+  """`bucket/key` of a bucket URL."""
+  return url.split("://", 1)[1]
 
 
 def _child_link(src: str, dst: str, n: str = "1") -> dict:
   """The `.flax` by N ranged reads always in flight, discarded."""
   del dst
   import concurrent.futures  # pylint: disable=g-import-not-at-top
-  fs = _gcsfs()
-  key = src[len("gs://"):] + "/ckpt-1.flax"
+  fs = _gcsfs(src)
+  key = _key(src) + "/ckpt-1.flax"
   size = fs.info(key)["size"]
   starts = list(range(0, size, _RANGE))
   start = time.perf_counter()
@@ -108,11 +135,11 @@ def _warm(url: str) -> None:
 def _child_naive_load(src: str, dst: str) -> dict:
   del dst
   from flax import serialization  # pylint: disable=g-import-not-at-top
-  fs = _gcsfs()
+  fs = _gcsfs(src)
   base = _rss_anon()
   start = time.perf_counter()
   with _peak_sampler() as peak:
-    data = fs.cat_file(src[len("gs://"):] + "/ckpt-1.flax")
+    data = fs.cat_file(_key(src) + "/ckpt-1.flax")
     state = serialization.msgpack_restore(data)
     del data, state
   return {"seconds": time.perf_counter() - start,
@@ -166,7 +193,7 @@ def _child_kernel(src: str, dst: str) -> dict:
 def _state_like(src: str) -> dict:
   """A state of as many bytes as the source's `.flax` (random float32s)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  size = _gcsfs().info(src[len("gs://"):] + "/ckpt-1.flax")["size"]
+  size = _gcsfs(src).info(_key(src) + "/ckpt-1.flax")["size"]
   rng = np.random.default_rng(0)
   n = 16 * 2**20
   return {"step": 1, "params": {
@@ -178,10 +205,69 @@ def _state_like(src: str) -> dict:
 def _child_naive_put(src: str, dst: str) -> dict:
   from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
   data = flax_format.save(_state_like(src))
-  fs = _gcsfs()
+  fs = _gcsfs(dst)
   start = time.perf_counter()
-  fs.pipe_file(dst[len("gs://"):] + "/blob", data)
+  fs.pipe_file(_key(dst) + "/blob", data)
   return {"seconds": time.perf_counter() - start}
+
+
+def _child_uplink(src: str, dst: str, n: str = "1") -> dict:
+  """As many bytes as the `.flax`, as parts of 8 MiB, N uploads at a time.
+
+  What N connections carry upwards: on S3 the parts of one multipart
+  upload, on GCS separate objects (as a composite upload's parts).
+  """
+  import concurrent.futures  # pylint: disable=g-import-not-at-top
+  fs = _gcsfs(dst)
+  size = fs.info(_key(src) + "/ckpt-1.flax")["size"]
+  part = 8 * 2**20
+  data = os.urandom(part)
+  starts = list(range(0, size, part))
+  bucket, key = (_key(dst) + "/blob").split("/", 1)
+  start = time.perf_counter()
+  if dst.startswith("s3://"):
+    upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    uid = upload["UploadId"]
+
+    def put(i):
+      body = data[:min(part, size - starts[i])]
+      return fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=uid,
+                        PartNumber=i + 1, Body=body)["ETag"]
+  else:
+    def put(i):
+      fs.pipe_file(f"{bucket}/{key}-{i:06d}",
+                   data[:min(part, size - starts[i])])
+  with concurrent.futures.ThreadPoolExecutor(int(n)) as pool:
+    tags = list(pool.map(put, range(len(starts))))
+  seconds = time.perf_counter() - start
+  if dst.startswith("s3://"):
+    fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key,
+               UploadId=uid, MultipartUpload={"Parts": [
+                   {"PartNumber": i + 1, "ETag": t}
+                   for i, t in enumerate(tags)]})
+  return {"seconds": seconds, "bytes": size}
+
+
+def _timing_joins() -> list:
+  """Seconds each upload's join (GCS compose, S3 complete) takes, appended.
+
+  The store's own work of joining parts: on a real bucket a metadata
+  operation; the emulators copy every byte (fake-gcs-server's compose,
+  moto's complete), which is their service time, not the client's.
+  """
+  from clu_ckpt import bucket_upload  # pylint: disable=g-import-not-at-top
+  seconds = []
+  join = bucket_upload.PartsUpload._join  # pylint: disable=protected-access
+
+  def timed(self):
+    start = time.perf_counter()
+    try:
+      join(self)
+    finally:
+      seconds.append(time.perf_counter() - start)
+
+  bucket_upload.PartsUpload._join = timed  # pylint: disable=protected-access
+  return seconds
 
 
 def _child_save(src: str, dst: str) -> dict:
@@ -191,11 +277,12 @@ def _child_save(src: str, dst: str) -> dict:
   _warm(src)
   ckpt = checkpoint.Checkpoint(dst)
   ckpt.tf_checkpoint_manager  # pylint: disable=pointless-statement
+  joins = _timing_joins()
   start = time.perf_counter()  # TensorFlow imported, the manager made
   with _peak_sampler() as peak:
     ckpt.save(state)
   return {"seconds": time.perf_counter() - start,
-          "extra_rss": peak.peak - base}
+          "extra_rss": peak.peak - base, "join": sum(joins)}
 
 
 def _child_save_flax(src: str, dst: str) -> dict:
@@ -204,21 +291,22 @@ def _child_save_flax(src: str, dst: str) -> dict:
   state = _state_like(src)
   base = _rss_anon()
   _warm(src)
+  joins = _timing_joins()
   start = time.perf_counter()
   with _peak_sampler() as peak:
     flax_format.save_file(state, dst + "/ckpt-1.flax")
   return {"seconds": time.perf_counter() - start,
-          "extra_rss": peak.peak - base}
+          "extra_rss": peak.peak - base, "join": sum(joins)}
 
 
 def _child_naive_migrate(src: str, dst: str) -> dict:
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from flax import serialization  # pylint: disable=g-import-not-at-top
-  fs = _gcsfs()
+  fs = _gcsfs(src)
   base = _rss_anon()
   start = time.perf_counter()
   with _peak_sampler() as peak:
-    data = fs.cat_file(src[len("gs://"):] + "/ckpt-1.flax")
+    data = fs.cat_file(_key(src) + "/ckpt-1.flax")
     state = serialization.msgpack_restore(data)
     del data
     mngr = ocp.CheckpointManager(dst)
@@ -229,14 +317,25 @@ def _child_naive_migrate(src: str, dst: str) -> dict:
           "extra_rss": peak.peak - base}
 
 
-def _child_migrate(src: str, dst: str) -> dict:
+def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
+  """`migration.migrate`; `migrate@W`: TensorStore's window W MiB.
+
+  `migrate@WxF` also asks Orbax for OCDBT data files of F MiB
+  (`PyTreeSave(ocdbt_target_data_file_size=...)`; Orbax's default on GCS
+  is 400 MiB), which lets TensorStore upload a flush as parallel files: an
+  experiment, not what `migrate` does.
+  """
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
+  window_mib, _, file_mib = window_mib.partition("x")
+  if file_mib:
+    _orbax_data_files(int(file_mib) * 2**20)
+  inflight = int(window_mib) * 2**20 if window_mib else None
   base = _rss_anon()
   _warm(src)
   start = time.perf_counter()
   with _peak_sampler() as peak:
-    summary = migration.migrate(src, dst)
+    summary = migration.migrate(src, dst, inflight_bytes=inflight)
   failed = [str(r) for r in summary.failed]
   if failed:
     raise RuntimeError(f"migration failed: {failed}")
@@ -244,8 +343,22 @@ def _child_migrate(src: str, dst: str) -> dict:
           "extra_rss": peak.peak - base}
 
 
+def _orbax_data_files(size: int) -> None:
+  """Makes Orbax's PyTreeSave ask TensorStore for data files of `size`."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  base = ocp.args.PyTreeSave
+
+  class SizedPyTreeSave(base):
+
+    def __init__(self, item=None, **kwargs):
+      kwargs.setdefault("ocdbt_target_data_file_size", size)
+      super().__init__(item, **kwargs)
+
+  ocp.args.PyTreeSave = SizedPyTreeSave
+
+
 _CHILDREN = {"link": _child_link, "ceiling": _child_link,
-             "direct": _child_link, "naive_load": _child_naive_load,
+             "direct": _child_link, "uplink": _child_uplink, "naive_load": _child_naive_load,
              "load": _child_load, "inspect": _child_inspect,
              "step": _child_step, "kernel": _child_kernel,
              "naive_put": _child_naive_put, "save": _child_save,
@@ -271,6 +384,29 @@ def _load_average() -> float:
   return os.getloadavg()[0]
 
 
+def _emulator(args, work: pathlib.Path):
+  import emulators  # pylint: disable=g-import-not-at-top
+  if args.store == "s3":
+    return emulators.MotoS3(work / "emulator")
+  return emulators.FakeGcs(work / "emulator", backend=args.backend)
+
+
+def _route(method: str) -> tuple[str, str]:
+  """(method, proxy): "shaped", "plain" (unshaped) or "direct" (none).
+
+  `ceiling@N` and `direct@N` are `link@N` through the plain proxy and
+  straight to the emulator; any other method takes a suffix `+plain` or
+  `+direct` for the same (the emulator's own service time).
+  """
+  name, _, route = method.partition("+")
+  kind = name.split("@")[0]
+  if kind == "ceiling":
+    return "link" + name[len(kind):], "plain"
+  if kind == "direct":
+    return "link" + name[len(kind):], "direct"
+  return name, route or "shaped"
+
+
 def _measure(args) -> dict:
   import bench_migration  # pylint: disable=g-import-not-at-top
   import emulators  # pylint: disable=g-import-not-at-top
@@ -279,57 +415,73 @@ def _measure(args) -> dict:
   shutil.rmtree(work, ignore_errors=True)
   work.mkdir(parents=True)
   os.environ.update(emulators.ENV)
-  gcs = emulators.FakeGcs(work / "emulator", backend=args.backend)
-  gcs.start()
-  shaped = link_proxy.LinkProxy(gcs.port, rtt=args.rtt_ms / 1000,
+  store = _emulator(args, work)
+  store.start()
+  shaped = link_proxy.LinkProxy(store.port, rtt=args.rtt_ms / 1000,
                                 rate=args.mbps * _MB).start()
-  plain = link_proxy.LinkProxy(gcs.port).start()
+  plain = link_proxy.LinkProxy(store.port).start()
+  proxies = {"shaped": shaped, "plain": plain, "direct": None}
   try:
-    direct_env = gcs.child_env()
+    direct_env = store.child_env()
     os.environ.update(direct_env)
     source = work / "source"
     bench_migration._make_source(str(source), args.size_gib)  # pylint: disable=protected-access
-    bucket = gcs.bucket()
-    src = gcs.upload(source, "run", bucket=bucket)
+    bucket = store.bucket()
+    src = store.upload(source, "run", bucket=bucket)
     size = (source / "ckpt-1.flax").stat().st_size
     shutil.rmtree(source)
 
     def env_for(proxy):
-      return gcs.child_env(STORAGE_EMULATOR_HOST=proxy.url,
-                           TENSORSTORE_GCS_HTTP_URL=proxy.url)
+      if proxy is None:
+        return direct_env
+      if args.store == "s3":
+        return store.child_env(AWS_ENDPOINT_URL=proxy.url,
+                               AWS_ENDPOINT_URL_S3=proxy.url)
+      return store.child_env(STORAGE_EMULATOR_HOST=proxy.url,
+                             TENSORSTORE_GCS_HTTP_URL=proxy.url)
 
     runs = []
     for i in range(args.runs):
       row = {}
       for method in args.methods:
-        kind = method.split("@")[0]
-        proxy = {"ceiling": plain, "direct": None}.get(kind, shaped)
-        env = direct_env if proxy is None else env_for(proxy)
-        name = method.replace("@", "-")
-        dst = f"gs://{bucket}/{name}-{i}"
+        child, route = _route(method)
+        proxy = proxies[route]
+        env = env_for(proxy)
+        name = re.sub(r"[^a-z0-9]+", "-", method.lower())
+        dst = f"{store.scheme}://{bucket}/{name}-{i}"
+        if args.store == "s3" and "migrate" in child:
+          # Orbax restores no s3:// step (orbax_target.check_destination):
+          # the s3 migration writes to a local directory.
+          dst = str(work / f"{name}-{i}")
         load = _load_average()
         if proxy is not None:
           proxy.reset()
-        result = _run_child(method, src, dst, env)
+        if child.endswith("!base"):  # the baseline tree's code
+          child = child[:-len("!base")]
+          env["PYTHONPATH"] = args.baseline
+        result = _run_child(child, src, dst, env)
         if proxy is not None:
           result.update(down=proxy.down, up=proxy.up,
                         requests=proxy.requests, streams=proxy.max_open)
         result["load"] = load
         row[method] = result
-        with_prefix = f"{bucket}/{name}-{i}"
-        fs = gcs.fs()
-        if fs.exists(with_prefix):
-          fs.rm(with_prefix, recursive=True)
+        if dst.startswith(store.scheme + "://"):
+          fs = store.fs()
+          with_prefix = dst.split("://", 1)[1]
+          if fs.exists(with_prefix):
+            fs.rm(with_prefix, recursive=True)
+        else:
+          shutil.rmtree(dst, ignore_errors=True)
         print(f"round {i + 1}: {method} {result['seconds']:.2f}s "
               f"(load {load:.1f})", file=sys.stderr)
       runs.append(row)
     return {"size_bytes": size, "size_gib": args.size_gib, "runs": runs,
-            "rtt_ms": args.rtt_ms, "mbps": args.mbps,
-            "backend": args.backend}
+            "rtt_ms": args.rtt_ms, "mbps": args.mbps, "store": args.store,
+            "backend": args.backend if args.store == "gcs" else "moto"}
   finally:
     shaped.stop()
     plain.stop()
-    gcs.stop()
+    store.stop()
 
 
 def _report(result: dict) -> str:
@@ -342,44 +494,55 @@ def _report(result: dict) -> str:
               if r.get(method, {}).get(field) is not None]
     return statistics.median(values) if values else default
 
-  def link_rate(streams):
-    """MB/s the link carries for `streams` connections (measured or nearest)."""
+  def link_rate(streams, kind="link"):
+    """MB/s `kind` (link: down, uplink: up) carries on `streams` connections.
+
+    Measured, or from the nearest measured point's per-stream rate.
+    """
     measured = {int(m.split("@")[1]): size / med(m, "seconds") / _MB
-                for m in methods if m.startswith("link@")}
+                for m in methods if m.startswith(kind + "@") and "+" not in m}
     if not measured:
       return None
     if streams in measured:
       return measured[streams]
-    # Between measured points: the per-stream rate of the nearest.
     nearest = min(measured, key=lambda k: abs(k - streams))
     return min(measured[nearest] * streams / nearest,
                max(measured.values()))
 
+  # Writes against the upward link, the migration against the slower of
+  # the two (its download overlaps its upload).
+  upward = ("save", "save_flax", "naive_put", "uplink", "migrate",
+            "naive_migrate")
   naive = {"load": "naive_load", "save": "naive_put",
            "save_flax": "naive_put",
            "migrate": "naive_migrate"}
   lines = [
       f"checkpoint: {size / 2**20:.0f} MiB (.flax), {len(runs)} runs, medians;"
-      f" fake-gcs-server ({result.get('backend', 'filesystem')} back end) on "
+      f" {'moto (S3)' if result.get('store') == 's3' else 'fake-gcs-server'}"
+      f" ({result.get('backend', 'filesystem')} back end) on "
       f"127.0.0.1 behind a proxy of {result['rtt_ms']} ms round trip and "
       f"{result['mbps']} MB/s per connection",
       "",
       "method          seconds   MB/s  streams  of link  x naive  MiB down  "
-      "requests  RssAnon/size  load",
+      "requests  RssAnon/size  load  join s",
       "--------------  -------  -----  -------  -------  -------  --------  "
-      "--------  ------------  ----"]
+      "--------  ------------  ----  ------"]
   for method in methods:
     s = med(method, "seconds")
     rate = size / s / _MB
     streams = med(method, "streams")
-    if "@" in method:  # the streams it was told to use
-      streams = int(method.split("@")[1])
+    kind = method.split("@")[0].split("+")[0].split("!")[0]
+    if "@" in method and kind in ("link", "uplink", "ceiling", "direct",
+                                  "load"):
+      streams = int(method.split("@")[1].split("+")[0])
     elif method.startswith("naive"):
       streams = 1
-    link = link_rate(int(streams)) if streams else None
-    frac = f"{rate / link:7.2f}" if link and method.split("@")[0] not in (
-        "inspect", "step", "kernel", "ceiling", "direct") else "      -"
-    base = naive.get(method.split("@")[0])
+    link = link_rate(int(streams), "uplink" if kind in upward else "link"
+                     ) if streams else None
+    frac = f"{rate / link:7.2f}" if link and kind not in (
+        "inspect", "step", "kernel", "ceiling", "direct") and (
+            "+" not in method) else "      -"
+    base = naive.get(kind)
     ratio = (f"{med(base, 'seconds') / s:7.2f}" if base in methods
              else "      -")
     down = med(method, "down")
@@ -389,7 +552,9 @@ def _report(result: dict) -> str:
         f"{streams if streams is not None else '-':>7}  {frac}  {ratio}  "
         f"{(down or 0) / 2**20:8.1f}  {med(method, 'requests', 0):8.0f}  "
         f"{(rss / size) if rss is not None else float('nan'):12.2f}  "
-        f"{med(method, 'load'):4.1f}")
+        f"{med(method, 'load'):4.1f}  " +
+        (f"{med(method, 'join'):6.2f}" if med(method, "join") is not None
+         else "     -"))
   return "\n".join(lines)
 
 
@@ -399,12 +564,19 @@ def main() -> None:
   parser.add_argument("--runs", type=int, default=3)
   parser.add_argument("--rtt-ms", type=float, default=30)
   parser.add_argument("--mbps", type=float, default=60)
+  parser.add_argument("--store", default="gcs", choices=["gcs", "s3"],
+                      help="fake-gcs-server (gs://) or moto's server (s3://)")
   parser.add_argument("--backend", default="filesystem",
-                      choices=["filesystem", "memory"])
+                      choices=["filesystem", "memory"],
+                      help="fake-gcs-server's back end")
+
   parser.add_argument("--workdir", default="/tmp/clu_ckpt_bench_buckets")
   parser.add_argument("--methods", type=lambda t: t.split(","),
                       default=_DEFAULT_METHODS.split(","),
                       help="comma-separated; see the module docstring")
+  parser.add_argument("--baseline", default="",
+                      help="a checkout of the code before: methods ending in "
+                      "`!base` run with it on PYTHONPATH")
   parser.add_argument("--json")
   parser.add_argument("--from-json")
   parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -47,6 +47,22 @@ migration child imports its libraries, records its RssAnon (anonymous
 resident memory, not the page cache) as the baseline, then samples RssAnon
 every 5 ms while it works.
 
+Children import compiled bytecode, as a package installed by pip does
+(`--bytecode`, the default): PYTHONDONTWRITEBYTECODE is dropped from their
+environment and PYTHONPYCACHEPREFIX=<workdir>/pycache set, filled by an
+untimed warm-up (a tiny `clu-ckpt migrate` per tree and the other
+children's imports) before anything is timed. Without it, an environment
+with PYTHONDONTWRITEBYTECODE=1 compiles clu_ckpt's modules in every child
+(about 0.1 s per process on the 2-core machine).
+
+`--tiny` times whole processes of a tiny run (two small checkpoints with a
+tf.data iterator) side by side, one of each per round: `clu-ckpt migrate`
+(per tree), the floor of any migration through Orbax (`python -c 'import
+orbax.checkpoint'`, and a script saving the same items of the same two
+steps with the same handlers, `_BARE_ORBAX_SAVE`; each also as it exits
+when it skips the shutdown's garbage collection, as `clu-ckpt migrate`
+does, see `clu_ckpt.quick_exit`) and an empty interpreter.
+
 Reported per method (medians over `--runs`): the whole process's wall time
 (interpreter start to exit, timed by the parent: issue 20 item 5's measure,
 with the load average as each run ended); the work's wall time; the ratio naive /
@@ -96,6 +112,12 @@ _TINY = flags.DEFINE_bool(
     "tiny", False, "Instead: time whole `clu-ckpt migrate` processes of a "
     "tiny run (two small checkpoints with a tf.data iterator), beside "
     "`python -c 'import orbax.checkpoint'` and an empty interpreter.")
+_BYTECODE = flags.DEFINE_bool(
+    "bytecode", True, "Children import compiled bytecode, as from an "
+    "installed package: PYTHONDONTWRITEBYTECODE is dropped from their "
+    "environment and PYTHONPYCACHEPREFIX=<workdir>/pycache is set, filled "
+    "by an untimed warm-up before the timed runs. --nobytecode: the "
+    "environment as it is.")
 _CHILD = flags.DEFINE_string("child", None, "Internal: run one method.")
 _SOURCE = flags.DEFINE_string("source", None, "Internal: source directory.")
 _DEST = flags.DEFINE_string("dest", None, "Internal: destination directory.")
@@ -407,6 +429,44 @@ def _cpu_seconds() -> float:
   return t.user + t.system
 
 
+def _child_env(tree: str | None = None) -> dict[str, str]:
+  """The environment of a timed child: clu_ckpt from `tree` when given;
+  with --bytecode, compiled modules read from (and written to) one cache
+  of the work directory, as an installed package reads its own."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  if _BYTECODE.value:
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(
+        os.path.abspath(_WORKDIR.value), "pycache")
+  if tree:
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (tree, env.get("PYTHONPATH")) if p)
+  return env
+
+
+def _warm_bytecode(trees: dict[str, str]) -> None:
+  """Fills the bytecode cache (--bytecode) before anything is timed: a
+  tiny `clu-ckpt migrate` with clu_ckpt from each tree, and the imports of
+  the other children."""
+  if not _BYTECODE.value:
+    return
+  source = os.path.join(_WORKDIR.value, "warm_source")
+  dest = os.path.join(_WORKDIR.value, "warm_out")
+  if not os.path.exists(source):
+    _make_tiny_source(source)
+  for tree in [None, *trees.values()]:
+    shutil.rmtree(dest, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "clu_ckpt", "migrate", source,
+                    dest, "--verify"], check=True, capture_output=True,
+                   cwd="/", env=_child_env(tree))
+    subprocess.run([sys.executable, "-c", "import tensorflow, "
+                    "flax.serialization, orbax.checkpoint, tensorstore"],
+                   check=True, capture_output=True, cwd="/",
+                   env=_child_env(tree))
+  shutil.rmtree(dest, ignore_errors=True)
+  shutil.rmtree(source, ignore_errors=True)
+
+
 def _run_once(method: str, source: str, dest: str, trees: dict) -> dict:
   shutil.rmtree(dest, ignore_errors=True)
   if _WARM.value and method != "dd":
@@ -416,11 +476,8 @@ def _run_once(method: str, source: str, dest: str, trees: dict) -> dict:
           pass
   else:
     _drop_page_cache(source)
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   tree = None if method == "dd" else _parse_method(method)[2]
-  if tree:
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (trees[tree], env.get("PYTHONPATH")) if p)
+  env = _child_env(trees[tree] if tree else None)
   start = time.perf_counter()
   out = subprocess.run(
       [sys.executable, os.path.abspath(__file__), f"--child={method}",
@@ -496,6 +553,10 @@ def report(data: dict) -> str:
         f"copy limit\": (source bytes / O_DIRECT read + output bytes / "
         f"O_DIRECT write) / time, both medians of this run (information, not "
         f"a target).")
+  if "bytecode" in data:
+    lines.append("Children import compiled bytecode (--bytecode)." if
+                 data["bytecode"] else "Bytecode as the environment has it "
+                 "(--nobytecode).")
   if data.get("warm"):
     lines.append("\n**Diagnosis run: the source was in the page cache "
                  "(`--warm`), no disk reads.**")
@@ -609,10 +670,7 @@ def _make_tiny_source(directory: str) -> None:
 def _timed(argv: list[str], tree: str | None = None) -> tuple[float, float]:
   """(wall, CPU) seconds of a fresh process running `argv` (with clu_ckpt
   imported from `tree` when given)."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-  if tree:
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (tree, env.get("PYTHONPATH")) if p)
+  env = _child_env(tree)
   before = os.times()
   start = time.perf_counter()
   subprocess.run(argv, check=True, capture_output=True, cwd="/", env=env)
@@ -622,12 +680,50 @@ def _timed(argv: list[str], tree: str | None = None) -> tuple[float, float]:
                 after.children_system - before.children_system)
 
 
+# The floor of a tiny migration through Orbax, as a script: the same three
+# items (a PyTree state with zstd, a PyTree dataset of byte arrays, a JSON
+# metadata item) of the tiny run's two steps, saved by a `Checkpointer` of a
+# `CompositeCheckpointHandler` with the handlers the migration registers; no
+# source read, no check, no manifest, no lock. argv[1]: the destination;
+# argv[2] == "freeze": exit as `clu-ckpt migrate` does (`quick_exit`).
+_BARE_ORBAX_SAVE = """
+import sys
+import numpy as np
+import orbax.checkpoint as ocp
+if sys.argv[2:] == ["freeze"]:
+  import atexit, gc
+  atexit.register(gc.freeze)
+for step in (100, 200):
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  registry.add("state", ocp.args.PyTreeSave,
+               ocp.handlers.PyTreeCheckpointHandler(use_compression=True))
+  registry.add("dataset", ocp.args.PyTreeSave,
+               ocp.handlers.PyTreeCheckpointHandler())
+  registry.add("metadata", ocp.args.JsonSave,
+               ocp.handlers.JsonCheckpointHandler())
+  checkpointer = ocp.Checkpointer(
+      ocp.handlers.CompositeCheckpointHandler(handler_registry=registry))
+  state = {"step": np.int64(step),
+           "params": {"w": np.arange(6, dtype=np.float32) * step},
+           "opt": {"lr": 0.1, "name": "sgd"}}
+  dataset = {"process_0": {"index": np.zeros(120, np.uint8),
+                           "data": np.zeros(400, np.uint8)}}
+  checkpointer.save(f"{sys.argv[1]}/{step}", args=ocp.args.Composite(
+      state=ocp.args.PyTreeSave(state),
+      dataset=ocp.args.PyTreeSave(dataset),
+      metadata=ocp.args.JsonSave({"step": step, "format": "bare"})))
+  checkpointer.close()
+"""
+
+
 def tiny(workdir: str, runs: int, trees: dict[str, str]) -> str:
   """Whole `clu-ckpt migrate` processes of a tiny run, side by side with
-  the import of Orbax alone (the floor of any migration through Orbax) and
-  an empty interpreter, one of each per round; medians, with the load.
+  the floor of any migration through Orbax (the import of Orbax alone, and
+  a script saving the same items with the same handlers, each as a plain
+  process and exiting as `clu-ckpt migrate` does, see `quick_exit`) and an
+  empty interpreter, one of each per round; medians, with the load.
   Each of `trees` (label -> path) adds the command with clu_ckpt from
-  there."""
+  there. With --bytecode, one untimed round first fills the cache."""
   source = os.path.join(workdir, "tiny_source")
   dest = os.path.join(workdir, "tiny_out")
   shutil.rmtree(source, ignore_errors=True)
@@ -637,6 +733,13 @@ def tiny(workdir: str, runs: int, trees: dict[str, str]) -> str:
                                       "migrate", source, dest],
       "python -c 'import orbax.checkpoint'": [
           sys.executable, "-c", "import orbax.checkpoint"],
+      "the same, skipping the exit's collection (`quick_exit`)": [
+          sys.executable, "-c", "import atexit, gc, orbax.checkpoint; "
+          "atexit.register(gc.freeze)"],
+      "bare Orbax save of the same 2 steps, same handlers (a script)": [
+          sys.executable, "-c", _BARE_ORBAX_SAVE, dest, "plain"],
+      "the same script, skipping the exit's collection": [
+          sys.executable, "-c", _BARE_ORBAX_SAVE, dest, "freeze"],
       "python -c 'pass'": [sys.executable, "-c", "pass"],
   }
   tree_of = {}
@@ -646,16 +749,23 @@ def tiny(workdir: str, runs: int, trees: dict[str, str]) -> str:
     tree_of[name] = path
   times = {name: [] for name in commands}
   loads = []
-  for _ in range(runs):
+  for round_ in range(runs + (1 if _BYTECODE.value else 0)):
+    warm_up = _BYTECODE.value and round_ == 0
     for name, argv in commands.items():
       shutil.rmtree(dest, ignore_errors=True)
-      times[name].append(_timed(argv, tree_of.get(name)))
-    loads.append(os.getloadavg()[0])
+      timed = _timed(argv, tree_of.get(name))
+      if not warm_up:
+        times[name].append(timed)
+    if not warm_up:
+      loads.append(os.getloadavg()[0])
   shutil.rmtree(dest, ignore_errors=True)
   shutil.rmtree(source, ignore_errors=True)
   lines = [f"Whole processes, median of {runs} rounds (range); "
            f"{os.cpu_count()} CPUs, 1-minute load average "
-           f"{min(loads):.1f}-{max(loads):.1f}.\n",
+           f"{min(loads):.1f}-{max(loads):.1f}; "
+           + ("compiled bytecode (an untimed round first)" if _BYTECODE.value
+              else "bytecode as the environment has it (--nobytecode)")
+           + ".\n",
            "| process | wall s | CPU s (user + system) |", "|---|---|---|"]
   for name, ts in times.items():
     walls, cpus = [t[0] for t in ts], [t[1] for t in ts]
@@ -698,8 +808,9 @@ def main(argv):
     print(f"wrote {source} in {time.perf_counter() - start:.1f} s",
           file=sys.stderr)
   size = _du(source)[0]
+  _warm_bytecode(trees)
   data = {"size_bytes": size, "runs": _RUNS.value, "trees": trees,
-          "warm": _WARM.value,
+          "warm": _WARM.value, "bytecode": _BYTECODE.value,
           "meta": {"cpus": os.cpu_count(), "load_start": os.getloadavg()[0],
                    "argv": sys.argv},
           "disk": [], "results": {m: [] for m in _METHODS.value}}

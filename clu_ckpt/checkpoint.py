@@ -361,21 +361,8 @@ class Checkpoint:
 
   def _clu_checkpoint_to_restore_from(self) -> Optional[str]:
     """`get_latest_checkpoint_to_restore_from` among CLU checkpoints only."""
-    latest = self._clu_latest_checkpoint()
-    listing = {}
-    if latest is None or layout.has_files(latest, listing):
-      return latest
-    parts = layout.split_checkpoint(latest)
-    if parts is None:
-      return latest
-    for path in reversed(self._listed_checkpoints()):
-      number = layout.checkpoint_number(path, parts[0])
-      if (number is not None and number < parts[1] and
-          layout.has_files(path, listing)):
-        logging.warning("Files of the latest checkpoint %s are missing; "
-                        "restoring %s instead", latest, path)
-        return path
-    return latest
+    return layout.restorable(self._clu_latest_checkpoint(),
+                             self._listed_checkpoints)
 
   def _listed_checkpoints(self) -> list[str]:
     """The checkpoints TensorFlow manages here, oldest first."""

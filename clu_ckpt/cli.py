@@ -61,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   Returns:
     The exit status.
   """
-  parser = _parser()
+  parser = build_parser()
   args = parser.parse_args(argv)
   if getattr(args, "run", None) is None:
     parser.print_help(sys.stderr)
@@ -129,7 +129,12 @@ def _one_line(error: BaseException, args: argparse.Namespace) -> str:
   return message
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+  """The `clu-ckpt` argument parser, every subcommand included.
+
+  Returns:
+    The parser; parsed arguments carry `run`, the subcommand's function.
+  """
   parser = argparse.ArgumentParser(
       prog="clu-ckpt",
       description="CLU/Flax checkpoints: fast access and migration to Orbax.")
@@ -319,56 +324,87 @@ def _add_migrate(subparsers: Any) -> None:
                  "(the <SOURCE>-<host_id> directories)")
   p.add_argument("destination", metavar="DESTINATION",
                  help="Orbax CheckpointManager root directory")
-  which = p.add_mutually_exclusive_group()
-  which.add_argument("--all", dest="checkpoints", action="store_const",
-                     const="all", default="all",
-                     help="every kept checkpoint (default)")
-  which.add_argument("--latest", dest="checkpoints", action="store_const",
-                     const="latest", help="the latest checkpoint only")
-  which.add_argument("--number", dest="numbers", type=int, action="append",
-                     metavar="N", help="checkpoint number N (ckpt-N); "
-                     "repeatable")
-  p.add_argument("--step-naming", choices=("auto", "state", "number"),
-                 default="auto",
-                 help="Orbax step of each checkpoint: the state's top-level "
-                 "`step` (state), the CLU checkpoint number (number), or the "
-                 "state's step when every checkpoint has an increasing one "
-                 "(auto, default)")
-  p.add_argument("--state-host", type=int, metavar="H",
-                 help="multihost: take the state from host H without "
-                 "comparing hosts (default: host 0, after checking all hosts "
-                 "hold the same state)")
-  p.add_argument("--compression", choices=("zstd", "none"), default="zstd",
-                 help="array compression: zstd (Orbax's default; smaller, "
-                 "CPU-bound) or none (faster, larger)")
-  p.add_argument("--dry-run", action="store_true",
-                 help="show what would be migrated; write nothing")
-  p.add_argument("--verify", action="store_true",
-                 help="re-read every leaf through Orbax and compare it "
-                 "bit-exactly with the source")
-  p.add_argument("--json", action="store_true",
-                 help="print a machine-readable summary on stdout")
-  p.add_argument("--max-inflight-mib", type=int, default=None, metavar="MIB",
-                 help="array data handed to TensorStore at once (bounds "
-                 "memory; default 128, 16 for a gs:// destination)")
-  p.add_argument("--step-prefix", metavar="PREFIX",
-                 help="name steps <PREFIX>_<step>, as CheckpointManagerOptions"
-                 "(step_prefix=PREFIX) does")
-  p.add_argument("--step-format-fixed-length", type=int, metavar="N",
-                 help="zero-pad step numbers to N digits, as "
-                 "CheckpointManagerOptions(step_format_fixed_length=N) does")
-  p.add_argument("--allow-other-sources", action="store_true",
-                 help="migrate into a destination that already holds steps "
-                 "of another source (refused by default)")
-  p.add_argument("--template", metavar="MODULE:FUNCTION",
-                 help="write the state in the structure of the train state "
-                 "FUNCTION() returns (MODULE imported from the current "
-                 "directory or PYTHONPATH), for StandardRestore(abstract)")
+  add_migrate_options(p)
   p.set_defaults(run=_run_migrate)
 
 
-_TEMPLATE_SPEC = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
-                            r":([A-Za-z_]\w*)$")
+def add_migrate_options(container: Any, exclude: Sequence[str] = ()
+                        ) -> list[str]:
+  """Adds `clu-ckpt migrate`'s options (not SOURCE, DESTINATION) to a parser.
+
+  The one definition of those options: `clu-ckpt migrate` and the fleet
+  (`clu_ckpt.migration.fleet`, `migration/migrate_runs.py`) both call it,
+  so an option added here is accepted by both.
+
+  Args:
+    container: An `argparse.ArgumentParser` or an argument group of one.
+    exclude: Destinations (`dest`, e.g. "dry_run", "json") not to add.
+
+  Returns:
+    The destinations of the options added, in order, each once.
+  """
+  skip = set(exclude)
+  added: list[str] = []
+
+  def add(target: Any, *flags: str, **kwargs: Any) -> None:
+    dest = kwargs.get("dest") or flags[0].lstrip("-").replace("-", "_")
+    if dest in skip:
+      return
+    target.add_argument(*flags, **kwargs)
+    if dest not in added:
+      added.append(dest)
+
+  which = container.add_mutually_exclusive_group()
+  add(which, "--all", dest="checkpoints", action="store_const",
+      const="all", default="all",
+      help="every kept checkpoint (default)")
+  add(which, "--latest", dest="checkpoints", action="store_const",
+      const="latest", help="the latest checkpoint only")
+  add(which, "--number", dest="numbers", type=int, action="append",
+      metavar="N", help="checkpoint number N (ckpt-N); "
+      "repeatable")
+  add(container, "--step-naming", choices=("auto", "state", "number"),
+      default="auto",
+      help="Orbax step of each checkpoint: the state's top-level "
+      "`step` (state), the CLU checkpoint number (number), or the "
+      "state's step when every checkpoint has an increasing one "
+      "(auto, default)")
+  add(container, "--state-host", type=int, metavar="H",
+      help="multihost: take the state from host H without "
+      "comparing hosts (default: host 0, after checking all hosts "
+      "hold the same state)")
+  add(container, "--compression", choices=("zstd", "none"), default="zstd",
+      help="array compression: zstd (Orbax's default; smaller, "
+      "CPU-bound) or none (faster, larger)")
+  add(container, "--dry-run", action="store_true",
+      help="show what would be migrated; write nothing")
+  add(container, "--verify", action="store_true",
+      help="re-read every leaf through Orbax and compare it "
+      "bit-exactly with the source")
+  add(container, "--json", action="store_true",
+      help="print a machine-readable summary on stdout")
+  add(container, "--max-inflight-mib", type=int, default=None, metavar="MIB",
+      help="array data handed to TensorStore at once (bounds "
+      "memory; default 128, 16 for a gs:// destination)")
+  add(container, "--step-prefix", metavar="PREFIX",
+      help="name steps <PREFIX>_<step>, as CheckpointManagerOptions"
+      "(step_prefix=PREFIX) does")
+  add(container, "--step-format-fixed-length", type=int, metavar="N",
+      help="zero-pad step numbers to N digits, as "
+      "CheckpointManagerOptions(step_format_fixed_length=N) does")
+  add(container, "--allow-other-sources", action="store_true",
+      help="migrate into a destination that already holds steps "
+      "of another source (refused by default)")
+  add(container, "--template", metavar="MODULE:FUNCTION",
+      help="write the state in the structure of the train state "
+      "FUNCTION() returns (MODULE imported from the current "
+      "directory or PYTHONPATH), for StandardRestore(abstract)")
+  return added
+
+
+# What `--template` accepts: MODULE:FUNCTION (dotted module, identifier).
+TEMPLATE_SPEC = re.compile(r"^([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
+                           r":([A-Za-z_]\w*)$")
 
 
 class _TemplateError(Exception):
@@ -396,7 +432,7 @@ def load_template(spec: str) -> Any:
     ValueError: `spec` is not MODULE:FUNCTION.
     _TemplateError: The import or the call failed (message names `spec`).
   """
-  match = _TEMPLATE_SPEC.match(spec)
+  match = TEMPLATE_SPEC.match(spec)
   if match is None:
     raise ValueError(f"--template {spec!r}: expected MODULE:FUNCTION, e.g. "
                      "my_model:abstract_train_state")
@@ -415,7 +451,12 @@ def load_template(spec: str) -> Any:
 
 def _run_migrate(args: argparse.Namespace) -> int:
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
-  if args.template is not None and not _TEMPLATE_SPEC.match(args.template):
+  from clu_ckpt import quick_exit  # pylint: disable=g-import-not-at-top
+  quick_exit.skip_final_collection()  # about 0.25 s of a tiny run's process
+  # The migration's modules, before `--template` puts the current directory
+  # first on sys.path (`clu_ckpt.migration` imports them on first use).
+  migrate = migration.migrate
+  if args.template is not None and not TEMPLATE_SPEC.match(args.template):
     print(f"clu-ckpt migrate: error: --template {args.template!r}: expected "
           "MODULE:FUNCTION", file=sys.stderr)
     return 2
@@ -430,7 +471,7 @@ def _run_migrate(args: argparse.Namespace) -> int:
       return 1
   report = progress.MigrationReport(sys.stderr, sys.stderr.isatty())
   try:
-    summary = migration.migrate(
+    summary = migrate(
         args.source,
         args.destination,
         checkpoints=args.numbers or args.checkpoints,

@@ -409,19 +409,39 @@ class FlaxFile:
     """Whether only a bucket file's headers are here (no parse yet)."""
     return self._parsed is None and self._remote is not None
 
-  def _parse(self) -> tuple[Any, list[LeafInfo]]:
+  def _parse(self, complete: bool = True) -> tuple[Any, list[LeafInfo]]:
+    """(tree, leaves), parsed once; `complete`: every byte fetched first."""
     if self._parsed is None:
       self._check_open()
       if self._remote is not None:
-        self._remote.fetch_all()  # each byte not here yet, once
+        if complete:
+          self._remote.fetch_all()  # each byte not here yet, once
+        else:
+          self._remote.fetch_for_parse()  # all but the arrays' bytes
       reader = _reader(self._buffer, self.path, False)
       self._parsed = reader.tree_and_leaves()
+    if complete and self._remote is not None:
+      self._remote.fetch_all()  # what a streaming_tree left (or nothing)
     return self._parsed
 
   @property
   def tree(self) -> Any:
     """The state dict, as `load_file(path)` returns it (shared, read-only)."""
     return self._parse()[0]
+
+  def streaming_tree(self) -> Any:
+    """`tree`, whose arrays a bucket's file fetches when told they are needed.
+
+    For a file in a bucket opened with `read_data=False`, the arrays are
+    views of bytes not downloaded yet: each is fetched when its range of
+    the buffer is advised `madvise(MADV_WILLNEED)` (`migration.memory.
+    will_need`, which the migration's writer calls for each array before
+    writing it), so that the download of the next arrays overlaps the
+    upload of the current one. A consumer must advise each array before
+    reading it; everything else (scalars, strings, joined chunks) is here.
+    `tree` (and `subtree`) later fetch whatever is left. Otherwise `tree`.
+    """
+    return self._parse(complete=False)[0]
 
   @property
   def leaves(self) -> list[LeafInfo]:
@@ -431,7 +451,7 @@ class FlaxFile:
         self._check_open()
         self._leaves = _reader(self._buffer, self.path, False).leaves()
       return self._leaves
-    return self._parse()[1]
+    return self._parse(complete=False)[1]  # no array bytes needed
 
   @property
   def nbytes(self) -> int:

@@ -70,12 +70,17 @@ class RemoteFlax:
     spool: The `fsspec_fs.SparseSpool`; `spool.map` is the buffer to parse.
     arrays: (keys, start, end) of each array's (or long string's) bytes,
       not fetched until asked for; keys from the root, list items as ints.
+    views: Indices in `arrays` of the numpy arrays the parser hands out as
+      views of the buffer (it reads none of their bytes); the others (long
+      strings, chunks it joins) it copies.
   """
 
   def __init__(self, spool: fsspec_fs.SparseSpool,
-               arrays: list[tuple[tuple, int, int]]):
+               arrays: list[tuple[tuple, int, int]],
+               views: frozenset = frozenset()):
     self.spool = spool
     self.arrays = arrays
+    self.views = views
 
   def fetch_subtree(self, keys: tuple) -> None:
     """Fetches the bytes of every array under `keys` (a prefix of keys)."""
@@ -86,6 +91,24 @@ class RemoteFlax:
   def fetch_all(self) -> None:
     """Fetches every byte not fetched yet."""
     self.spool.fill()
+
+  def fetch_for_parse(self) -> None:
+    """Fetches every byte the parser reads: all but the arrays' views.
+
+    The arrays it hands out are then views of bytes not fetched yet: each
+    must be fetched before it is read, by `spool.ensure` or by advising the
+    spool's map (`madvise(MADV_WILLNEED)` over the array's bytes).
+    """
+    deferred = sorted((s, e) for i, (_, s, e) in enumerate(self.arrays)
+                      if i in self.views)
+    wanted, at = [], 0
+    for start, end in deferred:
+      if start > at:
+        wanted.append((at, start))
+      at = max(at, end)
+    if at < self.spool.size:
+      wanted.append((at, self.spool.size))
+    self.spool.ensure(wanted)
 
   def fetch_views(self, value: Any) -> None:
     """Fetches the bytes behind every numpy view of the spool in `value`.
@@ -141,14 +164,14 @@ def open_remote(path: str, keys: tuple = ()) -> RemoteFlax:
     if cached is not None:
       _cache.move_to_end(key)
   if cached is not None:
-    pieces, arrays = cached
+    pieces, arrays, views = cached
     spool.adopt(pieces)
-    return RemoteFlax(spool, arrays)
+    return RemoteFlax(spool, arrays, views)
   walker = _Walker(spool)
   try:
     if keys:
       walker.descend(tuple(keys))
-      return RemoteFlax(spool, walker.arrays)
+      return RemoteFlax(spool, walker.arrays, frozenset(walker.views))
     walker.value((), 0)
     if walker.pos != spool.size:
       raise _Unknown("trailing bytes")
@@ -158,10 +181,10 @@ def open_remote(path: str, keys: tuple = ()) -> RemoteFlax:
   pieces = spool.copy_fetched(limit=max(2 * 2**20, size // 50 + 2**20))
   if pieces is not None and key[-1]:  # a version that names the bytes
     with _cache_lock:
-      _cache[key] = (pieces, walker.arrays)
+      _cache[key] = (pieces, walker.arrays, frozenset(walker.views))
       while len(_cache) > _CACHED:
         _cache.popitem(last=False)
-  return RemoteFlax(spool, walker.arrays)
+  return RemoteFlax(spool, walker.arrays, frozenset(walker.views))
 
 
 class _Unknown(Exception):
@@ -175,6 +198,7 @@ class _Walker:
     self.spool = spool
     self.pos = 0
     self.arrays: list[tuple[tuple, int, int]] = []
+    self.views: set[int] = set()  # indices of arrays handed out as views
     self._window = WINDOW
     self._last_end = -1
 
@@ -265,9 +289,13 @@ class _Walker:
     else:
       self._need(n)
 
-  def _skip_data(self, n: int, path: tuple) -> None:
+  def _skip_data(self, n: int, path: tuple, view: bool = False) -> None:
     if self.pos + n > self.spool.size:
       raise _Unknown("truncated")
+    # A chunk of a chunked array ({"shape", "chunks": {"0": ...}}) is
+    # joined, so read, by the parser: not a view.
+    if view and not (len(path) >= 2 and path[-2] == "chunks"):
+      self.views.add(len(self.arrays))
     self.arrays.append((path, self.pos, self.pos + n))
     self.pos += n
 
@@ -304,7 +332,7 @@ class _Walker:
       raise _Unknown("ndarray data")
     if self.pos + length != end:
       raise _Unknown("ndarray size")
-    self._skip_data(length, path)
+    self._skip_data(length, path, view=True)
 
 
 def cache_clear() -> None:

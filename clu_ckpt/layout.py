@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 from absl import logging
 
@@ -457,10 +457,8 @@ def latest_restorable(directory: str,
                       checkpoint_name: str = "ckpt") -> Optional[str]:
   """The checkpoint a restore of `directory` reads by default.
 
-  The rule of `Checkpoint.get_latest_checkpoint_to_restore_from`: the latest
-  checkpoint TensorFlow's `checkpoint` file names, unless some of its files
-  are missing (a directory damaged outside clu_ckpt): then the newest
-  listed checkpoint whose files are all there, with a warning.
+  The rule of `Checkpoint.get_latest_checkpoint_to_restore_from`
+  (`restorable`), applied to what TensorFlow's `checkpoint` file lists.
 
   Example::
 
@@ -476,14 +474,37 @@ def latest_restorable(directory: str,
   """
   del checkpoint_name
   state = read_checkpoint_state(directory)
-  latest = None if state is None else state.model_checkpoint_path
+  if state is None:
+    return None
+  return restorable(state.model_checkpoint_path, state.managed_checkpoints)
+
+
+def restorable(latest: Optional[str],
+               listed: Callable[[], Sequence[str]]) -> Optional[str]:
+  """`latest`, unless some of its files are missing (a directory damaged
+  outside clu_ckpt, e.g. by clu killed while deleting newer checkpoints after
+  restoring an older one): then the newest of `listed` with a lower number
+  whose files are all there, with a warning.
+
+  Example::
+
+    restorable("/work/ckpts/ckpt-7", lambda: manager.checkpoints)
+
+  Args:
+    latest: The latest checkpoint path, or None.
+    listed: Gives the listed checkpoints, oldest first (called only when
+      `latest` is damaged).
+
+  Returns:
+    A checkpoint path, or None when `latest` is None.
+  """
   listing: dict[str, set[str]] = {}
   if latest is None or has_files(latest, listing):
     return latest
   parts = split_checkpoint(latest)
   if parts is None:
     return latest
-  for path in reversed(state.managed_checkpoints()):
+  for path in reversed(listed()):
     number = checkpoint_number(path, parts[0])
     if number is not None and number < parts[1] and has_files(path, listing):
       logging.warning("Files of the latest checkpoint %s are missing; "

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import time
 from typing import Any, Mapping, Optional
 
@@ -62,7 +63,7 @@ ORBAX = "orbax"
 LAYOUTS = (CLU, ORBAX)
 # `metadata["writer"]` of a step `Checkpoint.save` wrote (a migration's
 # steps have none).
-WRITER = "clu_ckpt.checkpoint"
+WRITER = orbax_root.CHECKPOINT_WRITER
 # The state's arrays are stored uncompressed, as the `.flax` file holds them:
 # the save must be as fast as the CLU layout's (benchmarks/bench_checkpoint.py
 # `save_orbax`); `clu-ckpt migrate --compression none` writes the same.
@@ -124,6 +125,12 @@ def check_tensorflow(where: str) -> None:
         f"Checkpoint({where!r}): saving or restoring a tf_state needs "
         "TensorFlow, which cannot be imported. Install it with `pip install "
         "tensorflow-cpu`.") from e
+
+
+def _jax_process_count() -> int:
+  """jax.process_count(), or 1 when JAX was never imported (no job then)."""
+  jax = sys.modules.get("jax")
+  return 1 if jax is None else jax.process_count()
 
 
 def _barrier(name: str) -> None:
@@ -308,6 +315,7 @@ class OrbaxSteps:
     """
     from clu_ckpt.migration import codec  # pylint: disable=g-import-not-at-top
     from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
+    self._check_processes()
     state_dict, leaves = state_dict_of(state)
     stored, encodings = codec.encode_state(state_dict)
     tree, native = self._native(state, stored, encodings)
@@ -335,6 +343,25 @@ class OrbaxSteps:
     if self.primary and storage.is_local(self.root):
       storage.fsync_directory(self.root)  # the rename
     return nbytes[0]
+
+  def _check_processes(self) -> None:
+    """Refuses a plain `Checkpoint`'s save inside a multi-process JAX job.
+
+    Orbax's save is collective: it waits for every process at its barriers
+    and only process 0 writes. A `Checkpoint` saved by one process (CLU's
+    `if jax.process_index() == 0: ckpt.save(...)`) would wait forever, and
+    one per host would leave the other hosts' directories unwritten.
+    """
+    if self.process_count > 1:
+      return
+    count = _jax_process_count()
+    if count > 1:
+      raise errors.UsageError(
+          f"Checkpoint({self.root!r}, layout=\"orbax\") in a job of {count} "
+          "JAX processes: Orbax's save is collective (every process, one "
+          "root). Use MultihostCheckpoint(..., layout=\"orbax\") and call "
+          "save() on every process, or keep the CLU layout for a checkpoint "
+          "saved by one process.")
 
   def _native(self, state: Any, stored: Any,
               encodings: Mapping[str, Any]) -> tuple[Any, bool]:

@@ -40,7 +40,11 @@ def _iso(t: float) -> str:
       t, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-_ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+# Orbax's step metadata file (save time, items).
+STEP_METADATA = "_CHECKPOINT_METADATA"
+# `metadata["writer"]` of a step `Checkpoint(layout="orbax")` saved: its
+# steps are CLU checkpoint numbers (a migration's steps name no writer).
+CHECKPOINT_WRITER = "clu_ckpt.checkpoint"
 ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
 # The `source_kind` a migration records for Flax's `checkpoint_<step>` files
 # (`migration.plan.FLAX_TRAINING_KIND`).
@@ -277,7 +281,7 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
   rows = []
   for number in numbers:
     directory = storage.join(root, str(number))
-    meta = _read_json(storage.join(directory, _ORBAX_STEP_METADATA)) or {}
+    meta = _read_json(storage.join(directory, STEP_METADATA)) or {}
     clu = _read_json(storage.join(directory, "metadata", "metadata")) or {}
     stamp = meta.get("commit_timestamp_nsecs")
     rows.append(dict(
@@ -324,7 +328,7 @@ def _step_tree(step_dir: str, problems: list) -> dict:
     return dict(file=step_dir, source="metadata item", leaves=leaves,
                 subtrees=_subtrees(leaves, False),
                 total_bytes=sum(l["bytes"] for l in leaves), items={})
-  meta = _read_json(storage.join(step_dir, _ORBAX_STEP_METADATA)) or {}
+  meta = _read_json(storage.join(step_dir, STEP_METADATA)) or {}
   leaves, items = [], {}
   for item, handler in _step_items(step_dir, meta).items():
     item_dir = storage.join(step_dir, item)
@@ -486,9 +490,9 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
                     "(an interrupted save or migration)")
   for number in numbers:
     directory = storage.join(root, str(number))
-    meta = _read_json(storage.join(directory, _ORBAX_STEP_METADATA))
+    meta = _read_json(storage.join(directory, STEP_METADATA))
     if meta is None:
-      problems.append(f"{storage.join(directory, _ORBAX_STEP_METADATA)}: "
+      problems.append(f"{storage.join(directory, STEP_METADATA)}: "
                       "missing or not JSON")
       continue
     for item in _item_handlers(meta):
@@ -577,3 +581,33 @@ def _compare_with_source(step_dir: str, src, problems: list) -> None:
     if got != expected:
       problems.append(f"{step_dir}: leaves differ from {flax_path} (paths, "
                       "dtypes or shapes)")
+
+
+def saved_by_checkpoint(root: str, *, step_prefix: Optional[str] = None,
+                        step_format_fixed_length: Optional[int] = None
+                        ) -> bool:
+  """Whether `root`'s newest step was saved by `Checkpoint(layout="orbax")`
+  (its steps are CLU checkpoint numbers, from which that run resumes).
+
+  Example::
+
+    saved_by_checkpoint("/runs/a/checkpoints")   # True for such a run
+
+  Args:
+    root: An Orbax root (it need not exist).
+    step_prefix: As in `CheckpointManagerOptions`.
+    step_format_fixed_length: As in `CheckpointManagerOptions`.
+
+  Returns:
+    True when the newest step's `metadata` item names that writer.
+  """
+  if not storage.isdir(root):
+    return False
+  steps, _ = list_steps(root, step_prefix=step_prefix,
+                        step_format_fixed_length=step_format_fixed_length)
+  if not steps:
+    return False
+  meta = _read_json(storage.join(
+      root, step_name(steps[-1], step_prefix, step_format_fixed_length),
+      "metadata", "metadata")) or {}
+  return meta.get("writer") == CHECKPOINT_WRITER

@@ -188,6 +188,8 @@ def load_state_dict(path: str, *, subtree: Subtree = None,
     chosen = layout_name
   else:
     chosen = found[0] if found else None
+    if checkpoint is None and step is None:
+      chosen = _newest_of_migrated_and_clu(path, found, chosen)
   if chosen is not None and len(found) > 1 and layout_name is None:
     logging.warning(
         "%s holds several checkpoint layouts (%s): reading the %s; pass "
@@ -212,9 +214,86 @@ def load_state_dict(path: str, *, subtree: Subtree = None,
   return _read_clu(path, subtree, checkpoint)
 
 
+def _newest_of_migrated_and_clu(path: str, found: list[str],
+                                chosen: Optional[str]) -> Optional[str]:
+  """The layout holding the newest checkpoint, when `path` holds a migrated
+  Orbax root and CLU checkpoints (a run saving with `layout="orbax"`, or one
+  migrated in place that went on saving in CLU's layout).
+
+  Newest is the later save time: a migrated step keeps its source's save
+  time (Orbax's `commit_timestamp_nsecs`), and TensorFlow's `checkpoint`
+  file records each CLU checkpoint's. Where a time is missing, or both are
+  equal, the higher CLU checkpoint number wins (a migrated step records
+  the number it came from, `clu_checkpoint_number`); on a tie the Orbax
+  step is read, as `Checkpoint(layout="orbax")` restores it.
+  """
+  clu_kind = next((k for k in (CLU, CLU_MULTIHOST) if k in found), None)
+  if chosen != ORBAX_MIGRATED or clu_kind is None:
+    return chosen
+  try:
+    latest = _clu_latest(path)
+  except errors.CheckpointNotFoundError:
+    return chosen
+  parts = None if latest is None else layout.split_checkpoint(latest)
+  if parts is None:
+    return chosen
+  steps, _ = orbax_root.list_steps(path)
+  step_dir = storage.join(path, str(steps[-1]))
+  number = (orbax_read.migration_metadata(step_dir) or {}).get(
+      "clu_checkpoint_number")
+  orbax_time, clu_time = _commit_time(step_dir), _clu_save_time(latest)
+  if orbax_time is not None and clu_time is not None and (
+      abs(orbax_time - clu_time) > 1e-3):
+    newer = clu_time > orbax_time
+    why = (f"saved at {clu_time:.3f}, the Orbax root's newest step "
+           f"{steps[-1]} at {orbax_time:.3f}")
+  else:
+    newer = isinstance(number, int) and parts[1] > number
+    why = (f"number {parts[1]}, the Orbax root's newest step {steps[-1]} "
+           f"holds number {number}")
+  if not newer:
+    return chosen
+  logging.warning("%s: the CLU checkpoint %s is newer (%s): reading it", path,
+                  latest, why)
+  return clu_kind
+
+
+def _commit_time(step_dir: str) -> Optional[float]:
+  """When an Orbax step was saved (its source's save time, if migrated)."""
+  meta = storage.read_json_object(
+      storage.join(step_dir, orbax_root.STEP_METADATA)) or {}
+  stamp = meta.get("commit_timestamp_nsecs")
+  return stamp / 1e9 if isinstance(stamp, (int, float)) and stamp else None
+
+
+def _clu_save_time(checkpoint: str) -> Optional[float]:
+  """When a CLU checkpoint was saved, as its directory's `checkpoint` file
+  records it; None when it does not."""
+  directory, name = checkpoint.rsplit("/", 1)
+  state = layout.read_checkpoint_state(directory)
+  if state is None:
+    return None
+  names = [p.rstrip("/").rsplit("/", 1)[-1]
+           for p in state.all_model_checkpoint_paths]
+  stamps = state.all_model_checkpoint_timestamps
+  if name in names and len(stamps) == len(names):
+    return stamps[names.index(name)]
+  return None
+
+
 # --------------------------------------------------------------------------
 # CLU.
 # --------------------------------------------------------------------------
+
+
+def _clu_latest(path: str) -> Optional[str]:
+  """The CLU checkpoint a restore of `path` reads: every host's newest
+  common one for a multihost base (`layout.multihost_latest`), else the
+  directory's (`layout.latest_restorable`)."""
+  latest = layout.multihost_latest(path, "ckpt")
+  if latest is None:
+    latest = layout.latest_restorable(layout.normpath(path))
+  return latest
 
 
 def _read_clu(path: str, subtree: Subtree, checkpoint: Any) -> Any:
@@ -229,9 +308,7 @@ def _read_clu(path: str, subtree: Subtree, checkpoint: Any) -> Any:
       raise errors.CheckpointNotFoundError(
           _not_found(checkpoint, f"{checkpoint}.flax", path))
     return flax_format.load_file(f"{checkpoint}.flax", subtree=subtree)
-  latest = layout.multihost_latest(path, "ckpt")
-  if latest is None:
-    latest = layout.latest_restorable(layout.normpath(path))
+  latest = _clu_latest(path)
   if latest is None:
     raise errors.CheckpointNotFoundError(
         f"No checkpoint found at {layout.normpath(path)}")

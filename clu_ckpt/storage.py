@@ -293,6 +293,53 @@ def metadata_cache() -> ContextManager[None]:
   return fsspec_fs.metadata_cache()
 
 
+def caching_source_objects(source: str, destination: str) -> Callable:
+  """A decorator: small bucket objects under the call's `source` read once.
+
+  The decorated function's arguments named `source` and `destination`
+  (strings) give the prefixes: within the call, small objects in a bucket
+  under `source` and not under `destination` are downloaded whole once and
+  kept (see `bucket_cache.object_cache`); a migration reads each
+  checkpoint's iterator files at several stages. Only for functions that
+  never see their source written meanwhile. Local paths are unaffected.
+
+  Example::
+
+    @storage.caching_source_objects("source", "destination")
+    def migrate(source, destination): ...
+
+  Args:
+    source: The name of the decorated function's parameter holding the
+      source (objects whose URL starts with it are kept: a multi-host
+      run's `<base>-<host>` directories too).
+    destination: The name of the parameter holding the destination
+      (objects under it are never kept).
+
+  Returns:
+    The decorator.
+  """
+  import functools  # pylint: disable=g-import-not-at-top
+  import inspect  # pylint: disable=g-import-not-at-top
+
+  def decorate(function: Callable) -> Callable:
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+      bound = signature.bind(*args, **kwargs).arguments
+      under, but_not = bound.get(source), bound.get(destination)
+      if not isinstance(under, str) or is_local(under):
+        return function(*args, **kwargs)
+      from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+      with bucket_cache.object_cache(
+          under, but_not if isinstance(but_not, str) else ""):
+        return function(*args, **kwargs)
+
+    return wrapper
+
+  return decorate
+
+
 def map_file(path: str, *, populate: bool = True) -> Any:
   """The content of a file as a read-only buffer, memory-mapped when local.
 

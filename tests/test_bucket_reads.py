@@ -5,12 +5,15 @@ client pointed at a `link_proxy.LinkProxy` on 127.0.0.1 in front of the
 emulator, which counts the bytes downloaded and the requests made.
 """
 
+import json
 import os
 
 import numpy as np
 import pytest
 
 import link_proxy
+from clu_ckpt import bucket_spool
+from clu_ckpt import bucket_upload
 from clu_ckpt import flax_format
 from clu_ckpt import flax_ranges
 from clu_ckpt import fsspec_fs
@@ -133,7 +136,7 @@ def test_inspect_and_verify_of_a_bucket_file_read_headers(proxy):
 
 
 def test_whole_tree_after_headers_fetches_each_byte_once(proxy, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "SPOOL_CHUNK", 512 * 1024)
+  monkeypatch.setattr(bucket_spool, "SPOOL_CHUNK", 512 * 1024)
   state = _state(layers=6, kib=2048)
   url, size = _upload(proxy, state)
   with flax_format.FlaxFile(url, read_data=False) as f:
@@ -147,7 +150,7 @@ def test_whole_tree_after_headers_fetches_each_byte_once(proxy, monkeypatch):
 
 
 def test_map_keeps_n_reads_in_flight(proxy, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "SPOOL_CHUNK", 256 * 1024)
+  monkeypatch.setattr(bucket_spool, "SPOOL_CHUNK", 256 * 1024)
   monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", "6")
   data = os.urandom(5 * _MIB + 17)
   url = f"{proxy.store.scheme}://{proxy.store.bucket()}/run/blob"
@@ -204,7 +207,7 @@ def _leftovers(proxy, bucket):
 
 
 def test_a_large_object_goes_up_in_parallel_parts(proxy, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 5 * _MIB)
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 5 * _MIB)
   monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "4")
   bucket = proxy.store.bucket()
   url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
@@ -227,7 +230,7 @@ def test_a_large_object_goes_up_in_parallel_parts(proxy, monkeypatch):
 
 
 def test_a_failed_parallel_upload_leaves_nothing(proxy, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 5 * _MIB)
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 5 * _MIB)
   monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "3")
   bucket = proxy.store.bucket()
   url = f"{proxy.store.scheme}://{bucket}/run/ckpt-1.flax"
@@ -251,8 +254,8 @@ def test_a_failed_parallel_upload_leaves_nothing(proxy, monkeypatch):
 def test_many_parts_are_composed_in_rounds(proxy, monkeypatch):
   if proxy.store.scheme != "gs":
     pytest.skip("GCS composes at most 32 objects a request; S3 has no limit")
-  monkeypatch.setattr(fsspec_fs, "UPLOAD_BLOCK", 256 * 1024)
-  monkeypatch.setattr(fsspec_fs, "_COMPOSE_MAX", 4)
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 256 * 1024)
+  monkeypatch.setattr(bucket_upload, "_COMPOSE_MAX", 4)
   bucket = proxy.store.bucket()
   url = f"gs://{bucket}/run/blob"
   data = os.urandom(19 * 256 * 1024 + 7)  # 20 parts: 5, then 2 rounds
@@ -260,3 +263,197 @@ def test_many_parts_are_composed_in_rounds(proxy, monkeypatch):
     write(data)
   assert storage.read_bytes(url) == data
   assert not _leftovers(proxy, bucket)
+
+
+# --------------------------------------------------------------------------
+# A migration from a bucket: each source file downloaded once, and the
+# arrays downloaded as the writer reaches them.
+# --------------------------------------------------------------------------
+
+_GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                       "shared", "fixtures", "clu-0.0.12", "single_host")
+
+
+def _downloads(proxy):
+  """{object name: downloads of its bytes} among the proxy's requests."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import urllib.parse  # pylint: disable=g-import-not-at-top
+  out = collections.Counter()
+  for line, _ in proxy.request_lines:
+    method, target = line.split()[:2]
+    path, _, query = target.partition("?")
+    if method != "GET" or "list-type" in query or "prefix=" in query:
+      continue
+    if proxy.store.scheme == "gs" and "alt=media" not in query:
+      continue  # a metadata request
+    name = urllib.parse.unquote(path).rstrip("/").rsplit("/", 1)[-1]
+    out[name] += 1
+  return out
+
+
+@pytest.mark.thorough("s3")  # the same code as on gs://
+def test_a_migration_downloads_each_source_file_once(proxy, tmp_path):
+  if not os.path.isdir(_GOLDEN):
+    pytest.skip(f"golden fixture {_GOLDEN} is not available")
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  src = proxy.store.upload(_GOLDEN, "run")
+  proxy.reset()
+  summary = migration.migrate(src, str(tmp_path / "orbax"))
+  assert summary.ok, summary.failed
+  downloads = _downloads(proxy)
+  files = [n for n in os.listdir(_GOLDEN) if n.startswith("ckpt-")]
+  assert len(files) == 9
+  # .index, .data-* and .flax of each checkpoint: once each (they were read
+  # 2 to 4 times: planning, the iterator's checks, the dataset item).
+  assert {n: downloads[n] for n in files} == {n: 1 for n in files}, (
+      downloads, proxy.request_lines)
+
+
+def test_will_need_on_a_spool_fetches_that_range(proxy):
+  from clu_ckpt.migration import memory  # pylint: disable=g-import-not-at-top
+  state = _state(layers=4, kib=2048)
+  url, size = _upload(proxy, state)
+  spool = storage.filesystem(url).spool(url)
+  view = np.frombuffer(spool.map, np.uint8)[3 * _MIB:4 * _MIB]
+  assert not view.any()  # not fetched: the sparse file's zeros
+  memory.will_need(view)
+  assert spool.has(3 * _MIB, 4 * _MIB)
+  assert _MIB <= proxy.down < _MIB + 64 * 1024, proxy.down
+  data = proxy.store.fs().cat_file(url.split("://", 1)[1], start=3 * _MIB,
+                                    end=4 * _MIB)
+  assert view.tobytes() == data
+
+
+def test_streaming_tree_leaves_the_arrays_for_later(proxy):
+  state = _state(layers=6, kib=2048)
+  url, size = _upload(proxy, state)
+  with flax_format.FlaxFile(url, read_data=False) as f:
+    tree = f.streaming_tree()
+    assert len(f.leaves) == 21
+    assert int(tree["step"]) == 1234
+    assert tree["opt_state"]["lr"] == 0.001
+    # The headers and small values only; the arrays are advised, then read.
+    assert proxy.down < _budget(size), (proxy.down, size)
+    kernel = tree["params"]["layer_3"]["kernel"]
+    from clu_ckpt.migration import memory  # pylint: disable=g-import-not-at-top
+    memory.will_need(kernel)
+    np.testing.assert_array_equal(kernel, state["params"]["layer_3"]["kernel"])
+    assert proxy.down < _budget(size, kernel.nbytes), (proxy.down, size)
+    # `tree` is whole: every byte, each once.
+    whole = f.tree
+    np.testing.assert_array_equal(whole["opt_state"]["mu"]["layer_5"],
+                                  state["opt_state"]["mu"]["layer_5"])
+  assert size <= proxy.down <= size + 4096 * proxy.requests
+
+
+_OVERLAP_CHILD = """
+import json, sys
+from clu_ckpt import migration
+summary = migration.migrate(sys.argv[1], sys.argv[2], verify=True,
+                            inflight_bytes=2 * 2**20)
+print(json.dumps({"ok": summary.ok, "failed": [str(f) for f in summary.failed]}))
+"""
+
+
+def test_a_bucket_migration_downloads_arrays_while_it_uploads(gcs):
+  # gs:// -> gs:// through one counting proxy, in a child process (its
+  # TensorStore reaches the emulator through the proxy too).
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1)
+  state = {"step": np.int64(3), "params": {
+      f"w{i}": rng.standard_normal(2 * _MIB // 4).astype(np.float32)
+      for i in range(8)}}
+  bucket = gcs.bucket()
+  fs = gcs.fs()
+  fs.pipe_file(f"{bucket}/run/ckpt-3.flax", flax_format.save(state))
+  fs.pipe_file(f"{bucket}/run/checkpoint",  # a run of the .flax alone
+               b'model_checkpoint_path: "ckpt-3"\n'
+               b'all_model_checkpoint_paths: "ckpt-3"\n')
+  with link_proxy.LinkProxy(gcs.port) as p:
+    env = gcs.child_env(STORAGE_EMULATOR_HOST=p.url,
+                        TENSORSTORE_GCS_HTTP_URL=p.url)
+    done = subprocess.run(
+        [sys.executable, "-c", _OVERLAP_CHILD, f"gs://{bucket}/run",
+         f"gs://{bucket}/orbax"], env=env, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["ok"], result  # verified against the source
+    lines = [line for line, _ in p.request_lines]
+  flax_reads = [i for i, line in enumerate(lines)
+                if "ckpt-3.flax" in line and "alt=media" in line]
+  uploads = [i for i, line in enumerate(lines)
+             if line.startswith(("POST", "PUT")) and
+             "orbax/3/state/" in line.replace("%2F", "/")]
+  assert flax_reads and uploads, [l for l in lines if not l.startswith("GET")]
+  # The arrays are downloaded as the writer reaches them: some after the
+  # state's first upload (the whole file was downloaded before any).
+  assert flax_reads[-1] > uploads[0], (flax_reads, uploads, lines)
+
+
+def test_object_cache_keeps_the_source_only(proxy):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  bucket = proxy.store.bucket()
+  root = f"{proxy.store.scheme}://{bucket}"
+  fs = proxy.store.fs()
+  for name in ("run/ckpt-1.index", "run/orbax/lock", "run-1/ckpt-1.index",
+               "other/a"):
+    fs.pipe_file(f"{bucket}/{name}", name.encode())
+  proxy.reset()
+  with bucket_cache.object_cache(f"{root}/run", but_not=f"{root}/run/orbax"):
+    for _ in range(3):
+      for name in ("run/ckpt-1.index", "run/orbax/lock", "run-1/ckpt-1.index",
+                   "other/a"):
+        assert storage.read_bytes(f"{root}/{name}") == name.encode()
+    assert storage.filesystem(root).read_bytes(
+        f"{root}/run/ckpt-1.index", 4, 5) == b"ckpt-"
+    downloads = _downloads(proxy)
+    # The source's (a multi-host run's `-1` directory too) once; what is
+    # under the destination (a lock others write) and elsewhere each time.
+    assert downloads["ckpt-1.index"] == 2, downloads  # run/ and run-1/
+    assert downloads["lock"] == 3 and downloads["a"] == 3, downloads
+    # A write through this module forgets the object.
+    with storage.atomic_writer(f"{root}/run/ckpt-1.index") as write:
+      write(b"new")
+    assert storage.read_bytes(f"{root}/run/ckpt-1.index") == b"new"
+  proxy.reset()
+  storage.read_bytes(f"{root}/run/ckpt-1.index")  # outside: no cache
+  storage.read_bytes(f"{root}/run/ckpt-1.index")
+  assert _downloads(proxy)["ckpt-1.index"] == 2
+
+
+@pytest.mark.thorough("s3")  # the same code as on gs://
+def test_a_failed_fetch_of_a_streamed_array_fails_the_step(proxy, tmp_path,
+                                                            monkeypatch):
+  # The arrays are fetched as Orbax's writer advises them: a read that
+  # fails there must fail the step, never let it write the spool's zeros.
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  state = {"step": np.int64(3), "params": {
+      f"w{i}": np.full(_MIB // 4, i + 1, np.float32) for i in range(4)}}
+  bucket = proxy.store.bucket()
+  fs = proxy.store.fs()
+  fs.pipe_file(f"{bucket}/run/ckpt-3.flax", flax_format.save(state))
+  fs.pipe_file(f"{bucket}/run/checkpoint",
+               b'model_checkpoint_path: "ckpt-3"\n')
+  streaming = flax_format.FlaxFile.streaming_tree
+
+  def then_fail(self):
+    tree = streaming(self)
+
+    def broken(*args, **kwargs):
+      raise OSError(5, "link down", self.path)
+
+    monkeypatch.setattr(fsspec_fs.FsspecFileSystem, "fetch_into", broken)
+    return tree
+
+  monkeypatch.setattr(flax_format.FlaxFile, "streaming_tree", then_fail)
+  dst = tmp_path / "orbax"
+  summary = migration.migrate(f"{proxy.store.scheme}://{bucket}/run",
+                              str(dst))
+  assert not summary.ok
+  (failed,) = summary.failed
+  assert "could not be fetched" in failed.error and "link down" in (
+      failed.error), failed.error
+  from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
+  assert orbax_root.list_steps(str(dst))[0] == []

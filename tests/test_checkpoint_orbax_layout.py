@@ -385,6 +385,25 @@ def test_max_to_keep_counts_both_and_keeps_only_copies(tmp_path):
   assert checkpoint.Checkpoint(str(base)).latest_checkpoint is None
 
 
+def test_migrating_what_the_switch_left_names_steps_by_number(tmp_path):
+  base = tmp_path / "ck"
+  _clu_run(base, 2)  # ckpt-1 .. ckpt-3, states of step 0 .. 2
+  ckpt = orbax_ckpt(base, max_to_keep=5)
+  ckpt.restore_or_initialize(make_state(0))
+  ckpt.save(make_state(3))  # Orbax step 4
+  # The state's steps (0, 1, 2) would sit beside checkpoint numbers.
+  with pytest.raises(errors.MigrationError, match="step-naming number"):
+    migration_run.migrate(str(base), str(base), step_naming="state")
+  assert orbax_root.list_steps(str(base))[0] == [4]
+  summary = migration_run.migrate(str(base), str(base))  # "auto"
+  assert summary.ok, summary.failed
+  assert summary.step_naming == "number"
+  assert orbax_root.list_steps(str(base))[0] == [1, 2, 3, 4]
+  assert orbax_ckpt(base).latest_checkpoint == f"{base}/ckpt-4"
+  assert same_tree(orbax_ckpt(base).restore_dict(f"{base}/ckpt-2"),
+                   flax_state_dict(make_state(1)))
+
+
 # ---------------------------------------------------------------------------
 # Crash safety and containment.
 # ---------------------------------------------------------------------------
@@ -513,18 +532,21 @@ _HOST_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_hosts(tmp_path, base, count=2, timeout=300) -> dict:
+def _run_hosts(tmp_path, base, count=2, timeout=300, script=_HOST_SCRIPT,
+               args=()) -> dict:
+  """Runs `script` in `count` jax.distributed processes on localhost
+  (argv: process id, coordinator, `base`, *args); each prints RESULT json."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  script = tmp_path / "host.py"
-  script.write_text(_HOST_SCRIPT)
+  path = tmp_path / "host.py"
+  path.write_text(script)
   env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}",
              JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   procs = [subprocess.Popen(
-      [sys.executable, str(script), str(i), f"127.0.0.1:{port}", str(base)],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-      cwd=tmp_path) for i in range(count)]
+      [sys.executable, str(path), str(i), f"127.0.0.1:{port}", str(base),
+       *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=env, cwd=tmp_path) for i in range(count)]
   results = {}
   for proc in procs:
     try:
@@ -532,7 +554,7 @@ def _run_hosts(tmp_path, base, count=2, timeout=300) -> dict:
     except subprocess.TimeoutExpired:
       for p in procs:
         p.kill()
-      pytest.fail("multi-host save timed out")
+      pytest.fail("the processes timed out (a save waiting forever?)")
     assert proc.returncode == 0, err[-3000:]
     line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
     result = json.loads(line[len("RESULT "):])
@@ -571,6 +593,43 @@ def test_multihost_single_process_resumes_into_the_base_root(tmp_path):
   # Every host saves into the one root under its process index.
   with pytest.raises(errors.UsageError, match="jax.process_index"):
     checkpoint.MultihostCheckpoint(str(base), host_id=1, layout="orbax")
+
+
+_PLAIN_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=sys.argv[2],
+                               num_processes=2, process_id=int(sys.argv[1]))
+    import numpy as np
+    from clu_ckpt import checkpoint, errors
+
+    me = jax.process_index()
+    out = {"host": me}
+    # CLU's pattern: a plain Checkpoint saved by process 0 alone, and one
+    # per host in its own directory.
+    ckpt = checkpoint.Checkpoint(f"{sys.argv[3]}/{me}", layout="orbax")
+    if me == 0 or sys.argv[4] == "each":
+      try:
+        ckpt.save({"w": np.ones(3, np.float32)})
+        out["saved"] = True
+      except errors.UsageError as e:
+        out["refused"] = str(e)
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.parametrize("who", ["first", "each"])
+def test_plain_checkpoint_in_a_multi_process_job_is_refused_not_hung(
+    tmp_path, who):
+  results = _run_hosts(tmp_path, tmp_path / "ck", timeout=120,
+                       script=_PLAIN_SCRIPT, args=(who,))
+  savers = [0, 1] if who == "each" else [0]
+  for host in savers:
+    assert "saved" not in results[host]
+    assert "MultihostCheckpoint" in results[host]["refused"]
+    assert str(tmp_path / "ck" / str(host)) in results[host]["refused"]
+  assert not any((tmp_path / "ck").glob("*/*"))  # nothing written
 
 
 @pytest.mark.thorough

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from clu_ckpt import bucket_spool
+from clu_ckpt import bucket_upload
 from clu_ckpt import errors
 from clu_ckpt import fsspec_fs
 from clu_ckpt import storage
@@ -58,7 +60,7 @@ def test_write_list_stat_read(root):
 
 
 def test_map_spools_by_ranges(root, monkeypatch):
-  monkeypatch.setattr(fsspec_fs, "SPOOL_CHUNK", 4096)
+  monkeypatch.setattr(bucket_spool, "SPOOL_CHUNK", 4096)
   data = os.urandom(4096 * 5 + 123)
   with storage.atomic_writer(f"{root}/big") as write:
     write(data)
@@ -70,7 +72,7 @@ def test_map_spools_by_ranges(root, monkeypatch):
 def test_failed_write_leaves_no_object(root):
   with pytest.raises(KeyError):
     with storage.atomic_writer(f"{root}/torn.flax") as write:
-      write(b"a" * (fsspec_fs.UPLOAD_BLOCK + 10))  # one part sent already
+      write(b"a" * (bucket_upload.UPLOAD_BLOCK + 10))  # one part sent already
       raise KeyError("killed")
   assert not storage.exists(f"{root}/torn.flax")
   with storage.atomic_writer(f"{root}/whole") as write:

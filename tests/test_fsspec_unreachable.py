@@ -17,6 +17,7 @@ import time
 import pytest
 
 import emulators
+from clu_ckpt import bucket_client
 from clu_ckpt import errors
 from clu_ckpt import fsspec_fs
 
@@ -125,7 +126,7 @@ def test_a_refusing_store_fails_in_one_line_in_seconds(scheme):
 def test_a_silent_store_gets_one_bounded_try(scheme, silent_port, monkeypatch):
   port, connections = silent_port
   _store_env(monkeypatch, f"http://127.0.0.1:{port}")
-  monkeypatch.setattr(fsspec_fs, "FIRST_CONTACT_SECONDS", 1.0)
+  monkeypatch.setattr(bucket_client, "FIRST_CONTACT_SECONDS", 1.0)
   fs = fsspec_fs.FsspecFileSystem(scheme)
   started = time.monotonic()
   with pytest.raises(fsspec_fs.StoreUnreachableError) as raised:
@@ -166,7 +167,7 @@ def test_the_file_systems_copy_like_fsspecs_own(scheme, monkeypatch):
   duplicate = copy.deepcopy(client)
   assert type(duplicate) is type(client) and not duplicate._answered  # pylint: disable=protected-access
   cls = type(client)
-  assert (cls.__module__, cls.__qualname__) == (fsspec_fs.__name__,
+  assert (cls.__module__, cls.__qualname__) == (bucket_client.__name__,
                                                 cls.__name__)
   done = subprocess.run(  # a fresh process finds the class by its name
       [sys.executable, "-c", "import importlib, sys; "

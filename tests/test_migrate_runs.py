@@ -1,20 +1,15 @@
-"""Tests of migration/migrate_runs.py: the plan, destinations, workers, stops.
+"""Tests of migration/migrate_runs.py, the fleet command, in real processes.
 
-The pure parts (what a directory is, the plan of a glob, destinations and
-the recorded source root, shards, progress lines, merging reports, the
-command line's options) are tested in-process on the script imported from
-its path, on directory trees of empty files named as CLU names them (the
-plan reads names only). The command line runs in real processes: usage
-errors (fast: no worker starts), a fleet of runs written by the real
+Usage errors (fast: no worker starts), `--help` and `--version`, the dry
+run, a retry's destination, a fleet of runs written by the real
 `clu.checkpoint` with a worker killed mid-run, and stops by SIGINT to the
-process group and SIGTERM to the fleet process alone.
+process group and SIGTERM to the fleet process alone. The modules under
+the script (`clu_ckpt.migration.fleet*`: the plan, destinations, shards,
+progress, reports) are tested in-process in tests/test_migration_fleet.py.
 """
 
-import importlib.util
-import io
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -24,19 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from fleet_helpers import clu_dir
+from fleet_helpers import make_tree
+import clu_ckpt
+
 SCRIPT = Path(__file__).resolve().parents[1] / "migration" / "migrate_runs.py"
-_NAME = "migrate_runs_under_test"
-
-
-@pytest.fixture(scope="module", name="mr")
-def fixture_mr():
-  """The script as a module."""
-  if _NAME not in sys.modules:
-    spec = importlib.util.spec_from_file_location(_NAME, SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_NAME] = module  # before: its dataclasses look it up
-    spec.loader.exec_module(module)
-  return sys.modules[_NAME]
 
 
 def _environment():
@@ -63,181 +50,11 @@ def _script(*args, cwd):
   return _finish(_start(*args, cwd=cwd))
 
 
-def _touch(root, *names):
-  """Empty files (and their directories) under `root`."""
-  for name in names:
-    path = root / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"")
-
-
-def _clu_dir(root, name):
-  """A directory CLU's `Checkpoint` would leave (names only)."""
-  _touch(root, f"{name}/checkpoint", f"{name}/ckpt-1.flax",
-         f"{name}/ckpt-1.index")
-
-
-# --------------------------------------------------------------------------
-# What a directory is.
-# --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("entries, kind", [
-    (None, "not_directory"),
-    ({}, "empty"),
-    ({"notes.txt": 3, "sub": -1}, "other"),
-    ({"checkpoint": 80, "ckpt-1.index": 10}, "clu"),
-    ({"ckpt-3.flax": 100}, "clu"),  # a .flax alone: CLU's, whatever else
-    ({"checkpoint_100": 100, "checkpoint_200": 100}, "flax_training"),
-    ({"checkpoint_100": -1}, "other"),  # a directory: Orbax's, not msgpack
-])
-def test_classify(mr, entries, kind):
-  assert mr.classify(entries) == kind
-
-
-# --------------------------------------------------------------------------
-# The plan: every match a run or skipped with its reason.
-# --------------------------------------------------------------------------
-
-
 @pytest.fixture(name="tree")
-def fixture_tree(tmp_path, monkeypatch):
-  """runs/{a,b}: CLU dirs; runs/m: a multihost base (hosts only); runs/e:
-  empty; runs/o: other files; runs/f: Flax's checkpoints layout."""
-  for run in ("a", "b"):
-    _clu_dir(tmp_path, f"runs/{run}/checkpoints")
-  for host in (0, 1):
-    _clu_dir(tmp_path, f"runs/m/checkpoints-{host}")
-  (tmp_path / "runs/e/checkpoints").mkdir(parents=True)
-  _touch(tmp_path, "runs/o/checkpoints/notes.txt",
-         "runs/f/checkpoints/checkpoint_100")
-  monkeypatch.chdir(tmp_path)
+def fixture_tree(tmp_path):
+  """`fleet_helpers.make_tree` in `tmp_path` (the processes' directory)."""
+  make_tree(tmp_path)
   return tmp_path
-
-
-def _summary(plan):
-  return ([(r.source, r.kind, [Path(h).name for h in r.hosts], r.error)
-           for r in plan.runs],
-          [(s.path, s.reason) for s in plan.skipped])
-
-
-_HOSTS = ["checkpoints-0", "checkpoints-1"]
-
-
-def test_a_glob_naming_bases_covers_their_hosts_and_lists_the_rest(mr, tree):
-  del tree
-  runs, skipped = _summary(mr.plan_fleet([], ["runs/*/checkpoints"]))
-  assert runs == [
-      ("runs/a/checkpoints", "Checkpoint", [], None),
-      ("runs/b/checkpoints", "Checkpoint", [], None),
-      ("runs/f/checkpoints", "flax_training", [], None),
-      ("runs/m/checkpoints", "MultihostCheckpoint", _HOSTS, None)]
-  assert skipped == [
-      ("runs/e/checkpoints", "empty directory"),
-      ("runs/o/checkpoints", "not a checkpoint directory (no `checkpoint` "
-       "file, no <name>-<N>.flax)")]
-
-
-@pytest.mark.parametrize("pattern", ["runs/m/checkpoints-*",
-                                     "runs/*/checkpoints-[0-9]",
-                                     "runs/m/checkpoints-1"])
-def test_a_glob_matching_host_directories_covers_their_base(mr, tree,
-                                                            pattern):
-  del tree
-  runs, skipped = _summary(mr.plan_fleet([], [pattern]))
-  assert runs == [("runs/m/checkpoints", "MultihostCheckpoint", _HOSTS,
-                   None)]
-  # Each host directory the glob matched is listed, with its base.
-  matched = [h for h in _HOSTS if re.fullmatch(
-      pattern.split("/")[-1].replace("*", ".*").replace("[0-9]", "[0-9]"),
-      h)]
-  assert skipped == [(f"runs/m/{h}", "host directory of runs/m/checkpoints")
-                     for h in matched]
-
-
-def test_numbered_runs_without_host_0_are_separate_runs(mr, tmp_path,
-                                                        monkeypatch):
-  _clu_dir(tmp_path, "runs/exp-1")
-  _clu_dir(tmp_path, "runs/exp-2")
-  monkeypatch.chdir(tmp_path)
-  runs, skipped = _summary(mr.plan_fleet([], ["runs/*"]))
-  assert [r[:2] for r in runs] == [("runs/exp-1", "Checkpoint"),
-                                   ("runs/exp-2", "Checkpoint")]
-  assert not skipped
-
-
-def test_a_named_base_is_a_multihost_run(mr, tree):
-  del tree
-  runs, _ = _summary(mr.plan_fleet(["runs/m/checkpoints"], []))
-  assert runs == [("runs/m/checkpoints", "MultihostCheckpoint", _HOSTS,
-                   None)]
-
-
-def test_a_named_path_that_is_not_a_run_is_an_error_not_a_skip(mr, tree):
-  del tree
-  runs, skipped = _summary(mr.plan_fleet(
-      ["runs/e/checkpoints", "runs/missing"], []))
-  assert runs == [
-      ("runs/e/checkpoints", "empty", [], "empty directory"),
-      ("runs/missing", "Checkpoint", [], "no such directory, and no "
-       "missing-<host_id> directories beside it")]
-  assert not skipped
-
-
-def test_a_glob_matching_nothing_is_named(mr, tree):
-  del tree
-  with pytest.raises(mr.UsageError,
-                     match=re.escape("--source-glob 'runs/*/nope' matched "
-                                     "nothing")):
-    mr.plan_fleet([], ["runs/*/checkpoints", "runs/*/nope"])
-
-
-def test_a_path_matched_twice_is_one_run(mr, tree):
-  del tree
-  plan = mr.plan_fleet(["runs/a/checkpoints"],
-                       ["runs/*/checkpoints", "runs/a/*"])
-  assert [r.source for r in plan.runs].count("runs/a/checkpoints") == 1
-  assert len({s.path for s in plan.skipped}) == len(plan.skipped)
-
-
-def test_classify_decides_for_the_plan(mr, tree):
-  """Flax's `checkpoint_<step>` files are a run of their own kind."""
-  del tree
-  runs, _ = _summary(mr.plan_fleet([], ["runs/f/*"]))
-  assert runs == [("runs/f/checkpoints", "flax_training", [], None)]
-
-
-def test_one_bucket_listing_per_glob(mr, gcs, monkeypatch):
-  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
-  bucket = gcs.bucket()
-  fs = gcs.fs()
-  for name in ["runs/a/checkpoints/checkpoint", "runs/a/checkpoints/ckpt-1.flax",
-               "runs/m/checkpoints-0/checkpoint",
-               "runs/m/checkpoints-1/checkpoint",
-               "runs/o/checkpoints/notes.txt"]:
-    fs.pipe_file(f"{bucket}/{name}", b"x")
-  backend = storage.filesystem(f"gs://{bucket}")
-  calls = []
-  real = backend.fs
-  for method in ("find", "ls", "glob", "info", "exists", "isdir"):
-    # monkeypatch puts back what was there: gcsfs's own per-instance
-    # methods (removing them would leave fsspec's NotImplementedError ones).
-    original = getattr(real, method)
-
-    def counted(*a, _name=method, _original=original, **k):
-      calls.append(_name)
-      return _original(*a, **k)
-    monkeypatch.setattr(real, method, counted)
-  plan = mr.plan_fleet([], [f"gs://{bucket}/runs/*/checkpoints"])
-  monkeypatch.undo()
-  assert calls == ["find"]
-  base = f"gs://{bucket}/runs"
-  assert [(r.source, r.kind, r.hosts) for r in plan.runs] == [
-      (f"{base}/a/checkpoints", "Checkpoint", []),
-      (f"{base}/m/checkpoints", "MultihostCheckpoint",
-       [f"{base}/m/checkpoints-0", f"{base}/m/checkpoints-1"])]
-  assert [(s.path, s.reason.split(" (")[0]) for s in plan.skipped] == [
-      (f"{base}/o/checkpoints", "not a checkpoint directory")]
 
 
 # --------------------------------------------------------------------------
@@ -245,77 +62,10 @@ def test_one_bucket_listing_per_glob(mr, gcs, monkeypatch):
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pattern, prefix", [
-    ("/runs/*/checkpoints", "/runs"),
-    ("runs/exp?/ckpt", "runs"),
-    ("/runs/a/checkpoints", "/runs/a"),  # no wildcard: its parent
-    ("gs://b/x/run-*/ckpt", "gs://b/x"),
-    ("gs://b/*/ckpt", "gs://b"),
-])
-def test_glob_prefix(mr, pattern, prefix):
-  assert mr.glob_prefix(pattern) == prefix
-
-
-def _destinations(mr, sources, root, destination_root="/orbax"):
-  runs = [mr.Run(s, "Checkpoint") for s in sources]
-  mr.assign_destinations(runs, root, destination_root)
-  return {r.source: r.destination for r in runs}
-
-
-def test_a_destination_depends_on_the_run_alone(mr):
-  fleet = _destinations(mr, ["/runs/a/checkpoints", "/runs/b/checkpoints",
-                             "/runs/c/checkpoints"], "/runs")
-  retry = _destinations(mr, ["/runs/c/checkpoints"], "/runs")
-  assert fleet["/runs/c/checkpoints"] == retry["/runs/c/checkpoints"] == (
-      "/orbax/c/checkpoints")
-
-
-def test_the_source_root_explicit_recorded_or_from_the_globs(mr):
-  glob = ["/runs/*/checkpoints"]
-  assert mr.choose_source_root(None, None, glob) == "/runs"
-  assert mr.choose_source_root(None, None, glob + ["/more/*/c"]) == "/"
-  assert mr.choose_source_root(None, None, glob, ["/runs/x/c"]) == "/runs"
-  # A retry naming one run finds the fleet's root recorded.
-  assert mr.choose_source_root(None, "/runs", []) == "/runs"
-  assert mr.choose_source_root(None, "/runs", ["/runs/c/*"]) == "/runs"
-  assert mr.choose_source_root("/runs/", "/runs", []) == "/runs"
-  with pytest.raises(mr.UsageError, match="mirrors /runs"):
-    mr.choose_source_root("/elsewhere", "/runs", [])
-  with pytest.raises(mr.UsageError, match="needs --source-root"):
-    mr.choose_source_root(None, None, [])
-
-
-@pytest.mark.parametrize("sources, message", [
-    (["/runs/a", "/runs//a"], "would both migrate into /orbax/a"),
-    (["/runs/a", "/runs/a/inner"], "is inside that of /runs/a"),
-    (["/other/a"], "not inside the source root /runs"),
-    (["/runs"], "not inside the source root /runs"),
-])
-def test_clashing_destinations_are_refused(mr, sources, message):
-  with pytest.raises(mr.UsageError, match=re.escape(message)):
-    _destinations(mr, sources, "/runs")
-
-
-def test_a_destination_root_inside_a_source_is_refused(mr):
-  with pytest.raises(mr.UsageError, match="inside the source /runs/a"):
-    _destinations(mr, ["/runs/a"], "/runs", "/runs/a/orbax")
-
-
-def test_the_root_is_recorded_once_and_guards_the_destination(mr, tmp_path):
-  destination = str(tmp_path / "orbax")
-  assert mr.read_recorded_root(destination) is None
-  mr.record_root(destination, "/runs")
-  mr.record_root(destination, "/runs")  # a second shard: the same root
-  assert mr.read_recorded_root(destination) == "/runs"
-  with pytest.raises(mr.UsageError, match="mirrors source root /runs"):
-    mr.record_root(destination, "/elsewhere")
-  assert mr.read_recorded_root(destination) == "/runs"
-
-
 def test_a_retry_writes_into_the_fleets_root(tmp_path):
   """The command line: a fleet's dry run, then a retry of one run."""
   for run in ("a", "b", "c"):
-    _clu_dir(tmp_path, f"runs/{run}/checkpoints")
+    clu_dir(tmp_path, f"runs/{run}/checkpoints")
   (tmp_path / "orbax").mkdir()
   (tmp_path / "orbax" / "clu_ckpt_fleet.json").write_text(json.dumps(
       {"source_root": str(tmp_path / "runs")}))
@@ -335,62 +85,6 @@ def test_a_retry_writes_into_the_fleets_root(tmp_path):
 # --------------------------------------------------------------------------
 # Shards.
 # --------------------------------------------------------------------------
-
-_FLEET = [f"/runs/exp{i}/checkpoints" for i in range(40)]
-
-
-def test_shards_partition_the_fleet(mr):
-  shards = [mr.shard_sources(_FLEET, 3, i) for i in range(3)]
-  everything = [s for shard in shards for s in shard]
-  assert sorted(everything) == sorted(_FLEET)  # each in exactly one shard
-  assert all(shards), [len(s) for s in shards]
-
-
-def test_shards_do_not_depend_on_the_order_of_sources(mr):
-  shuffled = list(_FLEET)
-  random.Random(0).shuffle(shuffled)
-  for i in range(3):
-    assert mr.shard_sources(shuffled, 3, i) == mr.shard_sources(_FLEET, 3, i)
-
-
-def test_adding_a_run_moves_no_other_run(mr):
-  before = {s: mr.shard_of(s, 3) for s in _FLEET}
-  grown = _FLEET + ["/runs/new/checkpoints"]
-  after = {s: i for i in range(3) for s in mr.shard_sources(grown, 3, i)}
-  assert {s: after[s] for s in _FLEET} == before
-
-
-def test_shard_of_is_the_same_on_every_machine(mr):
-  # Pinned values: a per-process hash (Python's `hash`) would change them.
-  assert mr.shard_of("/runs/a/checkpoints", 1000) == 437
-  assert mr.shard_of("/runs/b/checkpoints", 1000) == 768
-  assert mr.shard_of("gs://bucket/x/checkpoints", 1000) == 92
-  assert mr.shard_of("/runs/a/checkpoints", 1) == 0
-
-
-@pytest.mark.parametrize("num_shards, index, environ, expected", [
-    (1, None, {}, 0),
-    (1, None, {"JOB_COMPLETION_INDEX": "5"}, 0),  # unsharded: env ignored
-    (3, 2, {}, 2),
-    (3, None, {"JOB_COMPLETION_INDEX": "1"}, 1),
-    (3, 0, {"JOB_COMPLETION_INDEX": "1"}, 0),  # the flag wins
-])
-def test_resolve_shard(mr, num_shards, index, environ, expected):
-  assert mr.resolve_shard(num_shards, index, environ) == expected
-
-
-@pytest.mark.parametrize("num_shards, index, environ, message", [
-    (0, None, {}, "--num-shards must be >= 1"),
-    (3, 3, {}, "--shard-index must be in [0, 3)"),
-    (3, -1, {}, "--shard-index must be in [0, 3)"),
-    (1, 1, {}, "--shard-index must be in [0, 1)"),
-    (3, None, {}, "needs --shard-index"),
-    (3, None, {"JOB_COMPLETION_INDEX": "x"}, "is not an integer"),
-    (3, None, {"JOB_COMPLETION_INDEX": "7"}, "--shard-index must be in"),
-])
-def test_resolve_shard_refuses(mr, num_shards, index, environ, message):
-  with pytest.raises(mr.UsageError, match=re.escape(message)):
-    mr.resolve_shard(num_shards, index, environ)
 
 
 @pytest.mark.parametrize("args", [
@@ -414,52 +108,22 @@ def test_bad_shards_exit_2_with_one_line(tmp_path, args):
 # --------------------------------------------------------------------------
 
 
-def test_help_and_version_exit_0(tmp_path, mr):
+def test_help_and_version_exit_0(tmp_path):
   helped = _script("--help", cwd=tmp_path)
   assert helped.returncode == 0, helped.stderr
   assert "--source-root" in helped.stdout
   assert "--allow-other-sources" in helped.stdout
   version = _script("--version", cwd=tmp_path)
   assert version.returncode == 0
-  assert version.stdout.strip() == f"migrate_runs.py (clu-ckpt {mr._version()})"  # pylint: disable=protected-access
-
-
-def test_every_migrate_option_is_accepted(mr):
-  """From `clu-ckpt migrate`'s own parser: a new option appears here too."""
-  parser, dests = mr.build_parser()
-  theirs = {o for a in mr.migrate_parser()._actions  # pylint: disable=protected-access
-            for o in a.option_strings if a.dest not in mr._NOT_PASSED}  # pylint: disable=protected-access
-  ours = {o for a in parser._actions for o in a.option_strings}  # pylint: disable=protected-access
-  assert theirs <= ours
-  assert {"allow_other_sources", "state_host", "step_prefix",
-          "step_format_fixed_length", "numbers", "template"} <= set(dests)
-  args = parser.parse_args(mr.normalize_argv([
-      "--sources=x", "--number=3", "--number", "5", "--state_host=1",
-      "--step-prefix=ckpt", "--step_format_fixed_length=8",
-      "--allow-other-sources", "--max-inflight-mib=0", "--compression=none",
-      "--verify", "--step-naming=number"]))
-  kwargs = mr.migrate_kwargs(mr.migrate_options(args, dests))
-  assert kwargs == {
-      "checkpoints": [3, 5], "state_host": 1, "step_prefix": "ckpt",
-      "step_format_fixed_length": 8, "allow_other_sources": True,
-      "inflight_bytes": 2**20, "compression": "none", "verify": True,
-      "step_naming": "number"}
-  latest = parser.parse_args(["--checkpoints=latest"])
-  assert mr.migrate_kwargs(mr.migrate_options(latest, dests))[
-      "checkpoints"] == "latest"
-
-
-def test_an_option_the_fleet_cannot_pass_is_refused(mr):
-  with pytest.raises(mr.UsageError, match="--new-flag is not supported"):
-    mr.migrate_kwargs({"new_flag": True})
-  assert mr.migrate_kwargs({"new_flag": None})["checkpoints"] == "all"
-
-
-def test_normalize_argv(mr):
-  assert mr.normalize_argv(["--destination_root=a_b", "--num_shards", "2",
-                            "x_y", "--", "--a_b"]) == [
-                                "--destination-root=a_b", "--num-shards",
-                                "2", "x_y", "--", "--a_b"]
+  assert version.stdout.strip() == (
+      f"migrate_runs.py (clu-ckpt {clu_ckpt.__version__})")
+  # The same command as a module of the package.
+  module = subprocess.run(
+      [sys.executable, "-m", "clu_ckpt.migration.fleet", "--version"],
+      capture_output=True, text=True, cwd=tmp_path, env=_environment())
+  assert module.returncode == 0, module.stderr
+  assert module.stdout.strip() == (
+      f"python -m clu_ckpt.migration.fleet (clu-ckpt {clu_ckpt.__version__})")
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tree):
@@ -495,7 +159,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tree):
      "unrecognized arguments: --bogus"),
 ])
 def test_usage_errors_exit_2_with_one_line_before_any_work(tree, args,
-                                                            message):
+                                                           message):
   run = _script("--destination-root=out", *args, cwd=tree)
   assert run.returncode == 2, run.stderr
   assert len(run.stderr.strip().splitlines()) == 1, run.stderr
@@ -518,156 +182,6 @@ def test_errors_are_one_line_tracebacks_only_with_verbose(tree, verbose):
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
-def test_report_directory_is_made_before_any_work(mr, tmp_path):
-  path = tmp_path / "new" / "dir" / "report.json"
-  mr.prepare_report(str(path))
-  assert path.parent.is_dir() and not path.exists()
-  (tmp_path / "file").write_text("")
-  with pytest.raises(mr.UsageError, match="cannot make"):
-    mr.prepare_report(str(tmp_path / "file" / "report.json"))
-
-
-# --------------------------------------------------------------------------
-# Progress.
-# --------------------------------------------------------------------------
-
-
-def _entry(source, status="ok", seconds=35.0, steps=(("migrated", 2**30),),
-           error=None):
-  summary = {"steps": [{"status": s, "nbytes": n} for s, n in steps]}
-  return dict(source=source, status=status, seconds=seconds, summary=summary,
-              **({"error": error} if error else {}))
-
-
-class _Clock:
-  """A clock advanced by hand."""
-
-  def __init__(self):
-    self.now = 1000.0
-
-  def __call__(self):
-    return self.now
-
-
-class _Terminal(io.StringIO):
-
-  def isatty(self):
-    return True
-
-
-def test_progress_shows_runs_bytes_failures_and_eta(mr):
-  out, clock = io.StringIO(), _Clock()
-  progress = mr.ProgressPrinter(3, out, clock, total_bytes=4 * 2**30)
-  clock.now += 60
-  progress.run_done(_entry("/runs/a", steps=[("migrated", 2**30)] * 4),
-                    2**30)
-  clock.now += 60
-  progress.run_done(_entry("/runs/b", "failed", 5,
-                           [("skipped", 10), ("migrated", 1500)],
-                           error="ckpt-3: truncated"), 2**30)
-  clock.now += 60
-  progress.run_done({"source": "/runs/c", "status": "error", "seconds": 2,
-                     "error": "worker process died"}, 2 * 2**30)
-  progress.close()
-  assert out.getvalue().splitlines() == [
-      "[1/3] /runs/a ok (4 steps, 4.0 GiB, 35 s); 1.0 GiB of 4.0 GiB, "
-      "0 failures, ETA 3 min",
-      "[2/3] /runs/b failed (2 steps, 1 skipped, 1.5 KiB, 5 s): ckpt-3: "
-      "truncated; 2.0 GiB of 4.0 GiB, 1 failure, ETA 2 min",
-      "[3/3] /runs/c error (2 s): worker process died; 4.0 GiB of 4.0 GiB, "
-      "2 failures, all done in 3 min",
-  ]
-
-
-def test_progress_without_sizes_counts_runs(mr):
-  out, clock = io.StringIO(), _Clock()
-  progress = mr.ProgressPrinter(4, out, clock)
-  clock.now += 30
-  progress.run_done(_entry("/runs/a"))
-  assert out.getvalue() == ("[1/4] /runs/a ok (1 step, 1.0 GiB, 35 s); "
-                            "0 failures, ETA 2 min\n")
-
-
-def test_progress_on_a_terminal_rewrites_one_line(mr):
-  out = _Terminal()
-  progress = mr.ProgressPrinter(3, out, _Clock())
-  progress.run_done(_entry("/runs/a"))
-  progress.run_done(_entry("/runs/b", "error", error="no such directory"))
-  progress.run_done(_entry("/runs/c"))
-  progress.close()
-  lines = out.getvalue().split("\n")
-  # The failed run keeps its own line; the ok ones overwrite each other.
-  assert len(lines) == 3 and lines[-1] == "", lines
-  assert lines[0].startswith("\r\x1b[K[1/3] /runs/a ok")
-  assert "\r\x1b[K[2/3] /runs/b error" in lines[0]
-  assert lines[1].startswith("\r\x1b[K[3/3] /runs/c ok")
-
-
-# --------------------------------------------------------------------------
-# Merging reports.
-# --------------------------------------------------------------------------
-
-
-def _report(root, index, num_shards, sources, created, status="ok",
-            fleet_size=3):
-  return {"created": created, "destination_root": root,
-          "fleet_size": fleet_size, "num_shards": num_shards,
-          "shard_index": index,
-          "runs": [{"source": s, "status": status, "shard": index}
-                   for s in sources]}
-
-
-def test_merge_gives_every_run_with_its_shard(mr):
-  merged = mr.merge_reports([
-      ("r1.json", _report("/o", 1, 2, ["/r/b"], "2024-01-01T00:00:00")),
-      ("r0.json", _report("/o/", 0, 2, ["/r/a", "/r/c"],
-                          "2024-01-01T00:00:05")),
-  ])
-  assert [(r["source"], r["shard"], r["report"]) for r in merged["runs"]] == [
-      ("/r/a", 0, "r0.json"), ("/r/b", 1, "r1.json"), ("/r/c", 0, "r0.json")]
-  assert merged["ok"] and merged["missing_shards"] == []
-  assert merged["counts"] == {"ok": 3, "failed": 0, "error": 0}
-  assert [m["shard_index"] for m in merged["merged_from"]] == [1, 0]
-
-
-def test_merge_lists_missing_shards_and_keeps_the_newest_entry(mr):
-  merged = mr.merge_reports([
-      ("new.json", _report("/o", 0, 3, ["/r/a"], "2024-01-02T00:00:00")),
-      ("old.json", _report("/o", 0, 3, ["/r/a"], "2024-01-01T00:00:00",
-                           status="failed")),
-  ])
-  assert merged["missing_shards"] == [1, 2]
-  assert [(r["status"], r["report"]) for r in merged["runs"]] == [
-      ("ok", "new.json")]
-  assert not merged["ok"]
-
-
-def test_merge_accepts_partial_reports(mr):
-  """A killed shard's report: finished runs count, unfinished ones show."""
-  finished = _report("/o", 0, 1, ["/r/a"], "2024-01-01T00:00:00",
-                     fleet_size=2)
-  partial = dict(_report("/o", 0, 1, ["/r/a"], "2024-01-02T00:00:00",
-                         status="pending", fleet_size=2), complete=False)
-  partial["runs"].append({"source": "/r/b", "status": "interrupted"})
-  partial["skipped"] = [{"path": "/r/e", "reason": "empty directory"}]
-  merged = mr.merge_reports([("old.json", finished),
-                             ("partial.json", partial)])
-  assert [(r["source"], r["status"]) for r in merged["runs"]] == [
-      ("/r/a", "ok"), ("/r/b", "interrupted")]
-  assert merged["counts"] == {"ok": 1, "failed": 0, "error": 0,
-                              "interrupted": 1}
-  assert not merged["complete"] and not merged["ok"]
-  assert merged["skipped"] == partial["skipped"]
-
-
-def test_merge_refuses_different_destination_roots(mr):
-  with pytest.raises(mr.UsageError, match="different fleets.*r1.json"):
-    mr.merge_reports([
-        ("r0.json", _report("/orbax", 0, 2, ["/r/a"], "t")),
-        ("r1.json", _report("/elsewhere", 1, 2, ["/r/b"], "t")),
-    ])
-
-
 # --------------------------------------------------------------------------
 # Real fleets: runs written by clu, long-lived workers, a worker killed.
 # --------------------------------------------------------------------------
@@ -688,9 +202,11 @@ def template():
 def fixture_clu_fleet(tmp_path_factory):
   """Runs written by clu: runs/{a,b,c}/checkpoints, and runs/m/checkpoints a
   MultihostCheckpoint (hosts only); runs/f/checkpoints Flax's own
-  `flax.training.checkpoints` files; runs/e/checkpoints empty. Migrated at
+  `flax.training.checkpoints` files; runs/e/checkpoints empty;
+  runs/d/checkpoints a symbolic link to a missing disk2/d. Migrated at
   --parallelism=1 with a template killing the first run's worker, the
-  report in a directory that does not exist yet.
+  report in a directory that does not exist yet, from a directory holding
+  a `numpy.py`.
 
   Returns:
     (directory, completed process, report).
@@ -715,8 +231,14 @@ def fixture_clu_fleet(tmp_path_factory):
       checkpoints.save_checkpoint(str(root / "runs" / "f" / "checkpoints"),
                                   example_state(step), step, keep=2)
   (root / "runs" / "e" / "checkpoints").mkdir(parents=True)
+  (root / "runs" / "d").mkdir()  # a run on a disk not mounted
+  (root / "runs" / "d" / "checkpoints").symlink_to(root / "disk2" / "d")
   (root / "killer.py").write_text(_KILLER)
   (root / "kill-once").write_text("")
+  # A module of the operator's directory does not shadow a library in the
+  # fleet's processes (only `--template` imports from there).
+  (root / "numpy.py").write_text("raise ImportError('numpy.py of the "
+                                 "current directory imported')\n")
   run = _script("--source-glob=runs/*/checkpoints", "--destination-root=orbax",
                 "--report=reports/new/report.json", "--parallelism=1",
                 "--template=killer:template", "--step_naming=state",
@@ -732,13 +254,16 @@ def test_a_killed_worker_fails_only_its_run(clu_fleet):
   # The first run (sorted) lost its worker; a new worker took the others.
   assert statuses == {"runs/a/checkpoints": "error",
                       "runs/b/checkpoints": "ok", "runs/c/checkpoints": "ok",
+                      "runs/d/checkpoints": "error",
                       "runs/f/checkpoints": "ok",
                       "runs/m/checkpoints": "ok"}, report
   error = report["runs"][0]["error"]
   assert error.startswith("worker process died (killed by SIGKILL (out of "
                           "memory?)) while migrating this run"), error
   assert not (root / "orbax" / "a" / "checkpoints" / "10").exists()
-  assert report["complete"] and report["counts"]["error"] == 1
+  assert report["runs"][3]["error"] == (
+      f"cannot list: a broken symbolic link to {root / 'disk2' / 'd'}")
+  assert report["complete"] and report["counts"]["error"] == 2
   assert report["skipped"] == [{"path": "runs/e/checkpoints",
                                 "reason": "empty directory",
                                 "glob": "runs/*/checkpoints"}]
@@ -779,25 +304,33 @@ def test_the_fleet_prints_the_skipped_and_one_line_per_run(clu_fleet):
   _, run, _ = clu_fleet
   lines = run.stdout.splitlines()
   assert lines[0] == "skipped runs/e/checkpoints: empty directory"
-  assert re.fullmatch(r"migrating 5 run\(s\) \(\d+\.\d KiB\) into orbax, 1 "
+  assert re.fullmatch(r"migrating 6 run\(s\) \(\d+\.\d KiB\) into orbax, 1 "
                       r"at a time; 1 path\(s\) skipped", lines[1]), lines[1]
   progress = [l for l in lines if l.startswith("[")]
-  assert len(progress) == 5, run.stdout
-  assert re.fullmatch(r"\[5/5\] runs/m/checkpoints ok \(1 step, \d+ B, \d+ "
-                      r"(s|min)\); [\d.]+ KiB of [\d.]+ KiB, 1 failure, all "
+  assert len(progress) == 6, run.stdout
+  assert progress[0].startswith("[1/6] runs/d/checkpoints error (0 s): cannot "
+                                "list: a broken symbolic link to "), progress
+  # Not a terminal (a pipe, a log): plain lines, nothing rewritten.
+  assert "\r" not in run.stdout and "\x1b" not in run.stdout
+  assert re.fullmatch(r"\[6/6\] runs/m/checkpoints ok \(1 step, \d+ B, \d+ "
+                      r"(s|min)\); [\d.]+ KiB of [\d.]+ KiB, 2 failures, all "
                       r"done in \d+ (s|min)", progress[-1]), progress[-1]
-  assert lines[-1] == ("4 ok, 0 failed, 1 error; report: "
+  assert lines[-1] == ("4 ok, 0 failed, 2 error; report: "
                        "reports/new/report.json")
 
 
 @pytest.mark.thorough
 def test_a_rerun_finishes_the_fleet(clu_fleet):
+  """Once the missing disk is back, a re-run migrates what is left."""
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
   root, _, _ = clu_fleet
+  clu_save(root / "disk2" / "d", [example_state(20)])
   run = _script("--source-glob=runs/*/checkpoints", "--destination-root=orbax",
                 "--report=rerun.json", "--step-naming=state", cwd=root)
   assert run.returncode == 0, run.stderr[-3000:]
   report = json.loads((root / "rerun.json").read_text())
-  assert report["counts"] == {"ok": 5, "failed": 0, "error": 0}
+  assert report["counts"] == {"ok": 6, "failed": 0, "error": 0}
   assert (root / "orbax" / "a" / "checkpoints" / "10").is_dir()
 
 
@@ -850,7 +383,9 @@ def _wait_for_runs(tmp_path, process, count, timeout=120):
 
 
 def _workers_in(directory):
-  """Pids of this script's workers running in `directory`."""
+  """Pids of the fleet's worker processes running in `directory`."""
+  from clu_ckpt.migration import fleet_workers  # pylint: disable=g-import-not-at-top
+  command = [a.encode() for a in fleet_workers.WORKER_ARGS]
   found = []
   for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
@@ -858,8 +393,7 @@ def _workers_in(directory):
       cwd = os.readlink(f"/proc/{pid}/cwd")
     except OSError:
       continue
-    if str(SCRIPT).encode() in args and b"--worker" in args and (
-        cwd == str(directory)):
+    if args[1:1 + len(command)] == command and cwd == str(directory):
       found.append(int(pid))
   return found
 

@@ -301,6 +301,36 @@ def test_ambiguous_directory_says_which_layout_was_read(runs, tmp_path,
   assert flax_read["step"] == 15
 
 
+@pytest.mark.parametrize("step_naming", ["number", "state"])
+def test_newer_clu_checkpoint_beside_a_migrated_root_is_read(tmp_path, caplog,
+                                                             step_naming):
+  """A run migrated in place that went on saving in CLU's layout: its newest
+  state is a CLU checkpoint, not the Orbax root's newest step."""
+  run = tmp_path / "run"
+  clu_save(run, [_state(10), _state(20)], max_to_keep=5)
+  assert migration.migrate(str(run), str(run), step_naming=step_naming).ok
+  want_migrated = clu_checkpoint.load_state_dict(str(run))
+  assert reader.load_state_dict(str(run))["step"] == want_migrated["step"]
+  ckpt = clu_checkpoint.Checkpoint(str(run), max_to_keep=5)
+  ckpt.restore_or_initialize(_state(0))
+  ckpt.save(_state(30))  # ckpt-3: newer by number and by time
+  assert reader.detect_layouts(str(run)) == ["orbax_migrated", "clu"]
+  with caplog.at_level(logging.WARNING, logger="absl"):
+    got = checkpoint.load_state_dict(str(run))
+  assert same_tree(got, clu_checkpoint.load_state_dict(str(run)))
+  assert got["step"] == 30
+  assert any("ckpt-3 is newer" in r.getMessage() for r in caplog.records)
+  # Asked for, the Orbax root is still read.
+  assert reader.load_state_dict(
+      str(run), layout_name="orbax_migrated")["step"] == 20
+  # Saving without restoring starts CLU's numbering over (ckpt-1): the
+  # lower number is still the newest save.
+  clu_save(run, [_state(40)], max_to_keep=5)
+  got = checkpoint.load_state_dict(str(run))
+  assert got["step"] == 40
+  assert same_tree(got, clu_checkpoint.load_state_dict(str(run)))
+
+
 @pytest.mark.parametrize("layout", ["clu", "clu_orbax", "flax"])
 def test_subtree_typo_names_the_keys_there_are(runs, layout):
   with pytest.raises(errors.SubtreeNotFoundError) as raised:

@@ -53,51 +53,130 @@ The package's modules, each owning one part:
   `migrate(..., target=...)` accepts) and `OrbaxTarget`, its one
   implementation (the default); the only user of a private Orbax API;
   `list_steps`.
-- `memory`: the byte budget, read-ahead and heap trimming of the writer.
+- `memory`: the byte budget, read-ahead, aligned staging and heap trimming
+  of the writer.
 - `template`: the state in a train state's structure (`from_template`).
 - `destination`: the destination's lock and manifest (a fleet's safety).
 - `verify`: comparing a step with its source, and hosts with each other.
 - `run`: `migrate`, its results, `restore_state`.
+- `fleet` (the command of `migration/migrate_runs.py`), over
+  `fleet_discovery` (which runs), `fleet_assignment` (destinations,
+  shards), `fleet_workers` (worker processes) and `fleet_report`
+  (progress, reports): many runs at once.
+
+The names below are imported from their modules when first used, so that
+importing the package (or one of its modules, such as the fleet's) costs
+nothing until the migration itself is needed.
 """
 
-from clu_ckpt.migration.codec import decode_state
-from clu_ckpt.migration.codec import encode_state
-from clu_ckpt.migration.destination import DestinationLockedError
-from clu_ckpt.migration.destination import lock
-from clu_ckpt.migration.destination import Manifest
-from clu_ckpt.migration.destination import read_manifest
-from clu_ckpt.migration.orbax_target import DATASET_ITEM
-from clu_ckpt.migration.orbax_target import DEFAULT_INFLIGHT_BYTES
-from clu_ckpt.migration.orbax_target import item_handlers
-from clu_ckpt.migration.orbax_target import list_steps
-from clu_ckpt.migration.orbax_target import METADATA_ITEM
-from clu_ckpt.migration.orbax_target import OrbaxTarget
-from clu_ckpt.migration.orbax_target import read_metadata
-from clu_ckpt.migration.orbax_target import REMOTE_INFLIGHT_BYTES
-from clu_ckpt.migration.orbax_target import STATE_ITEM
-from clu_ckpt.migration.orbax_target import Target
-from clu_ckpt.migration.plan import discover
-from clu_ckpt.migration.plan import name_steps
-from clu_ckpt.migration.plan import Selection
-from clu_ckpt.migration.plan import select
-from clu_ckpt.migration.plan import Source
-from clu_ckpt.migration.plan import SourceCheckpoint
-from clu_ckpt.migration.plan import state_step
-from clu_ckpt.migration.plan import STEP_NAMINGS
-from clu_ckpt.migration.run import COMPRESSIONS
-from clu_ckpt.migration.run import describe_error
-from clu_ckpt.migration.run import FORMAT
-from clu_ckpt.migration.run import migrate
-from clu_ckpt.migration.run import MigrationError
-from clu_ckpt.migration.run import MigrationInterrupted
-from clu_ckpt.migration.run import MigrationSummary
-from clu_ckpt.migration.run import Progress
-from clu_ckpt.migration.run import ProgressFn
-from clu_ckpt.migration.run import restore_state
-from clu_ckpt.migration.run import StepResult
-from clu_ckpt.migration.verify import same_leaf
-from clu_ckpt.migration.verify import VerificationError
-from clu_ckpt.migration.verify import verify_step
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported when first used (PEP 562), not with the package: a process that
+# needs one module of it (the fleet's parent process, which plans and
+# reports but never migrates) does not pay for NumPy, Flax's format and the
+# destination's modules. Name -> the module that defines it.
+_EXPORTS = {
+    "decode_state": "codec",
+    "encode_state": "codec",
+    "DestinationLockedError": "destination",
+    "lock": "destination",
+    "Manifest": "destination",
+    "read_manifest": "destination",
+    "DATASET_ITEM": "orbax_target",
+    "DEFAULT_INFLIGHT_BYTES": "orbax_target",
+    "item_handlers": "orbax_target",
+    "list_steps": "orbax_target",
+    "METADATA_ITEM": "orbax_target",
+    "OrbaxTarget": "orbax_target",
+    "read_metadata": "orbax_target",
+    "REMOTE_INFLIGHT_BYTES": "orbax_target",
+    "STATE_ITEM": "orbax_target",
+    "Target": "orbax_target",
+    "discover": "plan",
+    "name_steps": "plan",
+    "Selection": "plan",
+    "select": "plan",
+    "Source": "plan",
+    "SourceCheckpoint": "plan",
+    "state_step": "plan",
+    "STEP_NAMINGS": "plan",
+    "COMPRESSIONS": "run",
+    "describe_error": "run",
+    "FORMAT": "run",
+    "migrate": "run",
+    "MigrationError": "run",
+    "MigrationInterrupted": "run",
+    "MigrationSummary": "run",
+    "Progress": "run",
+    "ProgressFn": "run",
+    "restore_state": "run",
+    "StepResult": "run",
+    "same_leaf": "verify",
+    "VerificationError": "verify",
+    "verify_step": "verify",
+}
+
+if TYPE_CHECKING:  # what a type checker and an IDE see
+  from clu_ckpt.migration.codec import decode_state
+  from clu_ckpt.migration.codec import encode_state
+  from clu_ckpt.migration.destination import DestinationLockedError
+  from clu_ckpt.migration.destination import lock
+  from clu_ckpt.migration.destination import Manifest
+  from clu_ckpt.migration.destination import read_manifest
+  from clu_ckpt.migration.orbax_target import DATASET_ITEM
+  from clu_ckpt.migration.orbax_target import DEFAULT_INFLIGHT_BYTES
+  from clu_ckpt.migration.orbax_target import item_handlers
+  from clu_ckpt.migration.orbax_target import list_steps
+  from clu_ckpt.migration.orbax_target import METADATA_ITEM
+  from clu_ckpt.migration.orbax_target import OrbaxTarget
+  from clu_ckpt.migration.orbax_target import read_metadata
+  from clu_ckpt.migration.orbax_target import REMOTE_INFLIGHT_BYTES
+  from clu_ckpt.migration.orbax_target import STATE_ITEM
+  from clu_ckpt.migration.orbax_target import Target
+  from clu_ckpt.migration.plan import discover
+  from clu_ckpt.migration.plan import name_steps
+  from clu_ckpt.migration.plan import Selection
+  from clu_ckpt.migration.plan import select
+  from clu_ckpt.migration.plan import Source
+  from clu_ckpt.migration.plan import SourceCheckpoint
+  from clu_ckpt.migration.plan import state_step
+  from clu_ckpt.migration.plan import STEP_NAMINGS
+  from clu_ckpt.migration.run import COMPRESSIONS
+  from clu_ckpt.migration.run import describe_error
+  from clu_ckpt.migration.run import FORMAT
+  from clu_ckpt.migration.run import migrate
+  from clu_ckpt.migration.run import MigrationError
+  from clu_ckpt.migration.run import MigrationInterrupted
+  from clu_ckpt.migration.run import MigrationSummary
+  from clu_ckpt.migration.run import Progress
+  from clu_ckpt.migration.run import ProgressFn
+  from clu_ckpt.migration.run import restore_state
+  from clu_ckpt.migration.run import StepResult
+  from clu_ckpt.migration.verify import same_leaf
+  from clu_ckpt.migration.verify import VerificationError
+  from clu_ckpt.migration.verify import verify_step
+
+
+def __getattr__(name: str) -> Any:
+  """A public name (or a submodule), imported on first use."""
+  module = _EXPORTS.get(name)
+  if module is None:
+    try:
+      return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+      if e.name != f"{__name__}.{name}":
+        raise
+      raise AttributeError(
+          f"module {__name__!r} has no attribute {name!r}") from None
+  value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "COMPRESSIONS", "DATASET_ITEM", "DEFAULT_INFLIGHT_BYTES",

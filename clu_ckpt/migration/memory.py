@@ -3,7 +3,20 @@
 The bounded numpy handler of `orbax_target` admits arrays through a
 `ByteBudget` (at most so many bytes handed to TensorStore at once), asks the
 kernel to read memory-mapped arrays ahead of their writing (`Prefetcher`),
-and gives freed heap back to the system as it goes (`MemoryTrimmer`).
+copies the arrays TensorStore would copy into buffers it reuses
+(`AlignedStaging`), and gives freed heap back to the system as it goes
+(`MemoryTrimmer`).
+
+Why `AlignedStaging`: a `.flax` file's arrays are views of its memory map at
+whatever offset msgpack put them, so most are not aligned to their item
+size. TensorStore takes an aligned array as it is, but converts an unaligned
+one with numpy first: a fresh allocation of the array's size, its pages
+zeroed by the kernel, then a copy, in the thread that calls `write` (the
+save's event loop), for every such array. Profiled on a 2 GiB migration
+(`perf record`, zstd, 2 cores), the zeroing alone was 11 % of the CPU time.
+Copying into a few reused aligned buffers leaves the copy and drops the
+allocation and the zeroing; the copy runs in a worker thread (numpy releases
+the GIL), beside the loop.
 
 Synopsis::
 
@@ -13,14 +26,25 @@ Synopsis::
   await budget.acquire(arr.nbytes)      # in the writer's event loop
   ...                                   # write arr
   await budget.release(arr.nbytes)
+
+  staging = memory.AlignedStaging(256 * 2**20)
+  aligned = await staging.stage(arr)    # arr itself when already aligned
+  await tensorstore_write(aligned)      # TensorStore keeps no copy of it
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
+
+# Arrays smaller than this are left to TensorStore: its copy costs little.
+MIN_STAGED_BYTES = 1 << 20
+# Buffers are allocated in multiples of this (a huge page), so that one
+# serves arrays of similar sizes.
+_STAGING_GRANULE = 2 << 20
 
 class Prefetcher:
   """Asks the kernel to read memory-mapped arrays ahead of their writing.
@@ -115,3 +139,73 @@ class ByteBudget:
       self._used -= n
       self._cond.notify_all()
 
+
+
+class AlignedStaging:
+  """Aligned copies of unaligned arrays, in buffers reused once free.
+
+  A buffer is free when nothing but the pool refers to it: TensorStore
+  holds the array it is given (`can_reference_source_data_indefinitely`)
+  until it no longer needs it, and that array is a view of the buffer. Free
+  buffers are reused; the pool keeps at most `limit` bytes of buffers, so
+  that a TensorStore that held on to every array would get new ones (and
+  the pool would not grow past `limit` with them).
+  """
+
+  def __init__(self, limit: int):
+    self._limit = limit
+    self._pool: list[np.ndarray] = []  # Sorted by size.
+    self.staged_bytes = 0  # Bytes copied (for tests and diagnosis).
+    self.allocated_bytes = 0  # Bytes of buffers allocated.
+    # What `_refs` counts for a buffer only the pool refers to, measured
+    # the same way (the count depends on the interpreter).
+    self._pool.append(np.empty(1, np.uint8))
+    self._free_refs = self._refs(0)
+    self._pool.clear()
+
+  def _refs(self, i: int) -> int:
+    return sys.getrefcount(self._pool[i])
+
+  @staticmethod
+  def needs_staging(arr: Any) -> bool:
+    """Whether TensorStore would copy `arr` (a large unaligned array)."""
+    return (isinstance(arr, np.ndarray) and arr.nbytes >= MIN_STAGED_BYTES
+            and not arr.flags.aligned and arr.flags.c_contiguous)
+
+  async def stage(self, arr: Any) -> Any:
+    """`arr`, or an aligned copy of it when TensorStore would copy it.
+
+    The copy is a view of a pooled buffer: the buffer is not reused while
+    the copy (or any view of it) is alive.
+    """
+    if not self.needs_staging(arr):
+      return arr
+    buffer = self._take(arr.nbytes)
+    target = buffer[:arr.nbytes]
+    del buffer
+    await asyncio.to_thread(np.copyto, target, _bytes_of(arr))
+    self.staged_bytes += arr.nbytes
+    return target.view(arr.dtype).reshape(arr.shape)
+
+  def _take(self, nbytes: int) -> np.ndarray:
+    """The smallest free buffer of at least `nbytes`, or a new one."""
+    for i in range(len(self._pool)):
+      if self._pool[i].nbytes >= nbytes and self._refs(i) <= self._free_refs:
+        return self._pool[i]
+    size = -(-nbytes // _STAGING_GRANULE) * _STAGING_GRANULE
+    buffer = np.empty(size, np.uint8)
+    self.allocated_bytes += size
+    pooled = sum(b.nbytes for b in self._pool)
+    while self._pool and pooled + size > self._limit:
+      # Make room: the pool lets go of its smallest buffers (one still in
+      # use is freed by its last user).
+      pooled -= self._pool.pop(0).nbytes
+    if pooled + size <= self._limit:
+      self._pool.append(buffer)
+      self._pool.sort(key=lambda b: b.nbytes)
+    return buffer
+
+
+def _bytes_of(arr: np.ndarray) -> np.ndarray:
+  """The bytes of a C-contiguous array, as a flat uint8 view."""
+  return arr.reshape(-1).view(np.uint8)

@@ -5,8 +5,10 @@ step atomically (reporting bytes), remove what an interrupted write left,
 read a step's metadata, restore a step's items. `OrbaxTarget` is the one
 implementation: an Orbax `CheckpointManager` root, written through Orbax's
 own handlers, with a bounded numpy handler (a byte budget, a read-ahead of
-memory-mapped arrays and a heap trimmer) so memory stays small whatever the
-checkpoint size.
+memory-mapped arrays, aligned copies of unaligned ones in reused buffers and
+a heap trimmer; see `memory`) so memory stays small whatever the checkpoint
+size, and TensorStore is not made to allocate a fresh copy of most arrays
+(11 % of a 2 GiB zstd migration's CPU time before).
 
 Writing needs orbax-checkpoint >= `MIN_ORBAX_VERSION`: `require_orbax`
 (called by `migrate` before it reads or writes anything, and by
@@ -65,9 +67,13 @@ METADATA_ITEM = "metadata"
 DEFAULT_INFLIGHT_BYTES = 128 * 2**20
 # The same for a bucket destination (`gs://`): TensorStore's GCS writes hold
 # the bytes they are given until the upload is acknowledged, on top of the
-# copies compression makes, so the window is smaller there. Measured against
-# fake-gcs-server, gs:// -> gs://, a 200 MB state: extra peak RssAnon 160 MiB
-# with 16 MiB, 280 MiB with 128 MiB; about 140 MiB of it is a fixed cost
+# copies compression makes, so the window is smaller there. Chosen by
+# measurement (benchmarks/bench_buckets.py, migrate@W): gs:// -> gs://, 480
+# MiB, fake-gcs-server's memory store behind the 30 ms / 60 MB/s-per-
+# connection proxy, 2 runs, medians, a loaded 2-core machine: 16 MiB 26.8 s
+# (extra peak RssAnon 0.44x the checkpoint), 32 MiB 28.0 s (0.44x), 64 MiB
+# 27.9 s (0.42x), 128 MiB 24.5 s (0.60x): no gain up to 64 MiB, and 9% at
+# 128 MiB for +0.16x memory. About 140 MiB of the memory is a fixed cost
 # (TensorStore, Orbax; the same locally), so the extra memory is below a
 # quarter of the checkpoint's size from checkpoints of about 1 GB up.
 REMOTE_INFLIGHT_BYTES = 16 * 2**20
@@ -722,6 +728,13 @@ def _type_handlers(inflight_bytes: int, on_bytes: Callable[[int], None]):
   )
 
 
+def staging_bytes(inflight_bytes: int) -> int:
+  """The most bytes of aligned buffers `memory.AlignedStaging` keeps for a
+  window of `inflight_bytes`: what is in flight, and half as much again for
+  buffers TensorStore has not let go of yet when the next array comes."""
+  return inflight_bytes + inflight_bytes // 2
+
+
 def _bounded_numpy_handler(inflight_bytes: int,
                            on_bytes: Callable[[int], None]):
   """A `NumpyHandler` that hands TensorStore a bounded number of bytes.
@@ -730,7 +743,9 @@ def _bounded_numpy_handler(inflight_bytes: int,
   TensorStore at once, which copies each into its chunk buffers before
   compressing it: memory grows to the checkpoint's size. This one writes the
   (memory-mapped) arrays themselves, starting another only while less than
-  `inflight_bytes` are being written. The files are the same (the type name
+  `inflight_bytes` are being written; an unaligned one (which TensorStore
+  would copy into a fresh allocation) is copied into a reused aligned buffer
+  first (`memory.AlignedStaging`, at most `staging_bytes(inflight_bytes)`). The files are the same (the type name
   is the same), so stock Orbax restores them.
 
   Args:
@@ -753,10 +768,15 @@ def _bounded_numpy_handler(inflight_bytes: int,
       write_all = super()._background_serialize
       budget = memory.ByteBudget(inflight_bytes)
       trim = memory.MemoryTrimmer(inflight_bytes)
+      staging = memory.AlignedStaging(staging_bytes(inflight_bytes))
 
       async def write(value, info, arg):
         try:
-          await write_all([value], [info], [arg])
+          # An unaligned view of the map would be copied by TensorStore
+          # into a fresh allocation; into a reused one here.
+          staged = await staging.stage(value)
+          await write_all([staged], [info], [arg])
+          del staged
         finally:
           await budget.release(value.nbytes)
         trim.written(value.nbytes)

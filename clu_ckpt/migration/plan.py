@@ -328,18 +328,31 @@ def peek_step(path: str) -> tuple[Optional[int], int]:
 
 def name_steps(checkpoints: Sequence[SourceCheckpoint],
                steps: Mapping[int, Optional[int]],
-               step_naming: str = "auto") -> tuple[str, dict[int, int]]:
+               step_naming: str = "auto", *,
+               numbered_root: Optional[str] = None
+               ) -> tuple[str, dict[int, int]]:
   """Chooses the Orbax step of every checkpoint.
 
   The state's own `step` is used when every checkpoint has a non-negative
   integer one and they increase with the checkpoint number; otherwise the
   CLU checkpoint number. Flax's `checkpoint_<step>` files ("auto") keep
-  the step of their names (their number).
+  the step of their names (their number). Into a root whose steps
+  `Checkpoint(layout="orbax")` saved (`numbered_root`), steps are checkpoint
+  numbers: that run resumes from its highest step, which must be its newest
+  checkpoint, so "auto" names by number and "state" is refused.
+
+  Example::
+
+    naming, mapping = name_steps(chosen, {1: 100, 2: 200})
+    # ("state", {1: 100, 2: 200})
 
   Args:
     checkpoints: The checkpoints to migrate, oldest first.
     steps: Checkpoint number -> the state's `step` (None when it has none).
     step_naming: "auto", "state" (require the state's step) or "number".
+    numbered_root: The destination, when it holds steps saved by
+      `Checkpoint(layout="orbax")` (`orbax_root.saved_by_checkpoint`); None
+      otherwise.
 
   Returns:
     ("state" or "number", checkpoint number -> step).
@@ -351,6 +364,14 @@ def name_steps(checkpoints: Sequence[SourceCheckpoint],
     raise MigrationError(f"unknown step naming {step_naming!r}; use one of "
                          f"{', '.join(STEP_NAMINGS)}")
   numbers = [c.number for c in checkpoints]
+  if numbered_root is not None:
+    if step_naming == "state":
+      raise MigrationError(
+          f"{numbered_root} holds steps saved by Checkpoint(layout=\"orbax\"),"
+          " numbered by checkpoint number, from which that run resumes: steps "
+          "named by the state's `step` would be taken for newer checkpoints; "
+          "use --step-naming number, or another destination")
+    return "number", {n: n for n in numbers}
   if step_naming == "auto" and checkpoints and all(
       c.files is not None for c in checkpoints):
     # Flax's own files: their names carry the step, which is the number.

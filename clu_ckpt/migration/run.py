@@ -33,6 +33,7 @@ from clu_ckpt import __version__
 from clu_ckpt import errors
 from clu_ckpt import flax_format
 from clu_ckpt import layout
+from clu_ckpt import orbax_root
 from clu_ckpt import storage
 from clu_ckpt.migration import codec
 from clu_ckpt.migration import destination as destination_lib
@@ -63,6 +64,7 @@ ProgressFn = results.ProgressFn
 MigrationInterrupted = results.MigrationInterrupted
 
 
+@storage.caching_source_objects("source", "destination")  # read once
 def migrate(source: str,
             destination: str,
             *,
@@ -239,7 +241,12 @@ def migrate(source: str,
       results[ckpt.number] = StepResult(ckpt.number, None, "failed",
                                         error=describe_error(e))
   try:
-    naming, mapping = plan.name_steps(usable, steps, step_naming)
+    numbered = orbax_root.saved_by_checkpoint(
+        destination, step_prefix=step_prefix,
+        step_format_fixed_length=step_format_fixed_length)
+    naming, mapping = plan.name_steps(
+        usable, steps, step_naming,
+        numbered_root=destination if numbered else None)
     notify = _with_plan(notify, len(chosen), sizes)
     for number, result in results.items():
       notify(Progress("failed", number, result.step, message=result.error))
@@ -506,7 +513,12 @@ class _Writer:
         if other != host:
           verify_lib.compare_hosts(ckpt, host, other, handle)
     dataset, tf_state = plan.dataset_tree(ckpt)
-    state, encodings = codec.encode_state(handle.tree)
+    # A bucket's arrays are fetched as the writer reaches them (the next
+    # ones' download overlapping the current upload) by Orbax's own target,
+    # whose writer advises each array before writing it.
+    streamed = type(self.target) is orbax_target.OrbaxTarget
+    state, encodings = codec.encode_state(
+        handle.streaming_tree() if streamed else handle.tree)
     meta = self._metadata(ckpt, step, host, compared, handle.leaves,
                           encodings, tf_state, dataset)
     extra = {}

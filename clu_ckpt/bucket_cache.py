@@ -1,0 +1,196 @@
+"""What one bucket operation keeps: metadata answers, and small objects read once.
+
+On a bucket every question is a round trip. One read-only operation (a load,
+an inspection) asks the same ones many times (does the directory exist, what
+does it hold, how large is each file); a migration reads each checkpoint's
+iterator files (`.index`, `.data-*`) at several stages. Two blocks keep the
+answers for the length of one operation, in this thread or task only:
+
+- `metadata_cache()`: each listing and object's metadata is asked for once;
+  any write, removal or exclusive create through `fsspec_fs` forgets all of
+  them (so a write's effect is seen by the next question).
+- `object_cache(under, but_not)`: each small object (up to
+  `SMALL_OBJECT_BYTES`) under the prefix `under` (and not under `but_not`)
+  read by `read_bytes` or spooled is downloaded whole once and every later
+  read of it is served from memory, with its metadata (at most
+  `OBJECT_CACHE_BYTES` in all, least recently used dropped first); a write
+  or removal of that object through `fsspec_fs` forgets it. For objects
+  nobody writes while the block runs (a migration's source), never for
+  objects others write (a lock, a destination).
+
+Outside these blocks nothing is cached, so other processes' writes are seen
+at once. Blocks nest (the outermost one counts).
+
+Synopsis::
+
+  from clu_ckpt import bucket_cache
+
+  with bucket_cache.metadata_cache():
+    state = checkpoint.load_state_dict("gs://b/run")
+  with bucket_cache.object_cache("gs://b/run", but_not="gs://b/orbax"):
+    summary = migration.migrate("gs://b/run", "gs://b/orbax")
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Optional
+
+from clu_ckpt import errors
+
+# An object this small is downloaded whole at its first read in an
+# `object_cache()` block (one request), and kept for the block.
+SMALL_OBJECT_BYTES = 16 * 2**20
+# What an `object_cache()` block keeps at most, in all.
+OBJECT_CACHE_BYTES = 64 * 2**20
+
+# Metadata answers kept while a `metadata_cache()` block runs (None: none).
+_METADATA: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "clu_ckpt_bucket_metadata", default=None)
+
+
+_OBJECTS: contextvars.ContextVar[Optional["_Objects"]] = (
+    contextvars.ContextVar("clu_ckpt_bucket_objects", default=None))
+
+
+@contextlib.contextmanager
+def metadata_cache() -> Iterator[None]:
+  """Within the block, each listing and object's metadata is asked for once.
+
+  One read-only operation (a load, an inspection) asks the same questions
+  many times (does the directory exist, what does it hold, how large is
+  each file); on a bucket each is a round trip. Inside this block (in this
+  thread or task) the answers are kept and reused; any write, removal or
+  exclusive create through `fsspec_fs` forgets them. Blocks nest. Outside
+  them nothing is cached, so other processes' writes are seen at once.
+
+  Example::
+
+    with bucket_cache.metadata_cache():
+      state = checkpoint.load_state_dict("gs://b/run")
+  """
+  if _METADATA.get() is not None:
+    yield
+    return
+  token = _METADATA.set({})
+  try:
+    yield
+  finally:
+    _METADATA.reset(token)
+
+
+
+@contextlib.contextmanager
+def object_cache(under: str, but_not: str = "") -> Iterator[None]:
+  """Within the block, each small object under `under` is downloaded once.
+
+  For an operation that reads objects nobody writes meanwhile (a
+  migration's source) several times. Objects under `but_not` (a
+  destination inside the source) are never kept.
+
+  Example::
+
+    with bucket_cache.object_cache("gs://b/run", but_not="gs://b/run/orbax"):
+      summary = migration.migrate("gs://b/run", "gs://b/run/orbax")
+  """
+  if _OBJECTS.get() is not None:
+    yield
+    return
+  token = _OBJECTS.set(_Objects(OBJECT_CACHE_BYTES, under, but_not))
+  try:
+    yield
+  finally:
+    _OBJECTS.reset(token)
+
+
+class _Objects:
+  """Whole small objects and their metadata, least recently used dropped."""
+
+  def __init__(self, limit: int, under: str, but_not: str):
+    self.limit = limit
+    # No "/": a multi-host run's directories `<base>-<host>` are included.
+    self.under = under.rstrip("/")
+    self.but_not = but_not.rstrip("/") + "/" if but_not else ""
+    self.held = 0
+    self._items: "collections.OrderedDict[str, tuple[dict, bytes]]" = (
+        collections.OrderedDict())
+
+  def get(self, key: str) -> Optional[tuple[dict, bytes]]:
+    item = self._items.get(key)
+    if item is not None:
+      self._items.move_to_end(key)
+    return item
+
+  def put(self, key: str, info: dict, data: bytes) -> None:
+    self.forget(key)
+    if len(data) > self.limit:
+      return
+    self._items[key] = (info, data)
+    self.held += len(data)
+    while self.held > self.limit:
+      _, (_, old) = self._items.popitem(last=False)
+      self.held -= len(old)
+
+  def forget(self, key: str, *, tree: bool = False) -> None:
+    for k in [k for k in self._items
+              if k == key or tree and k.startswith(key.rstrip("/") + "/")]:
+      self.held -= len(self._items.pop(k)[1])
+
+
+def cached_object(key: str) -> Optional[tuple[dict, bytes]]:
+  """(metadata, bytes) of the object `key` if an `object_cache` holds it."""
+  objects = _OBJECTS.get()
+  return None if objects is None else objects.get(key)
+
+
+def keep_object(key: str, info: dict, data: bytes) -> None:
+  """Keeps a small object read whole, if an `object_cache` block runs."""
+  objects = _OBJECTS.get()
+  if caching_objects(key) and len(data) <= SMALL_OBJECT_BYTES:
+    objects.put(key, info, data)
+
+
+def caching_objects(key: str) -> bool:
+  """Whether an `object_cache` block keeps the object `key` (its URL)."""
+  objects = _OBJECTS.get()
+  return objects is not None and key.startswith(objects.under) and not (
+      objects.but_not and key.startswith(objects.but_not))
+
+
+def forget(key: str = "", *, tree: bool = False) -> None:
+  """Forgets all metadata, and the object `key` (or all under it: `tree`)."""
+  cache = _METADATA.get()
+  if cache is not None:
+    cache.clear()
+  objects = _OBJECTS.get()
+  if objects is not None and key:
+    objects.forget(key, tree=tree)
+
+
+def cached(method: Callable) -> Callable:
+  """Keeps `method(self, path)`'s answer (or error) in the active cache.
+
+  A decorator of `FsspecFileSystem` methods taking one path.
+  """
+
+  def wrapper(self: Any, path: str) -> Any:
+    cache = _METADATA.get()
+    if cache is None:
+      return method(self, path)
+    key = (self._scheme, method.__name__, path.rstrip("/"))
+    if key not in cache:
+      try:
+        cache[key] = (True, method(self, path))
+      except (FileNotFoundError, errors.NotRegularFileError) as e:
+        cache[key] = (False, e)
+    ok, value = cache[key]
+    if not ok:
+      raise value
+    return list(value) if isinstance(value, list) else value
+
+  wrapper.__name__ = method.__name__
+  wrapper.__doc__ = method.__doc__
+  return wrapper
+

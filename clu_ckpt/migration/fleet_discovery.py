@@ -1,0 +1,559 @@
+r"""Which runs a fleet holds: every path a glob matches, a run or skipped.
+
+Synopsis::
+
+  from clu_ckpt.migration import fleet_discovery
+
+  plan = fleet_discovery.plan_fleet(
+      sources=["/runs/x/checkpoints"], globs=["/runs/*/checkpoints"])
+  for run in plan.runs:        # Run(source, kind, hosts, nbytes, ...)
+    print(run.source, run.kind, run.hosts)
+  for s in plan.skipped:       # Skipped(path, reason, glob)
+    print("skipped", s.path, s.reason)
+
+Every path a glob matches is a run or is skipped with its reason (an empty
+directory, not a checkpoint directory, a host directory of a run listed as
+its base). A `MultihostCheckpoint` keeps its hosts in `<base>-<int>`
+directories: a glob or path naming `<base>` covers them, and a glob
+matching them covers their `<base>` (when `<base>-0` is a checkpoint
+directory). One function, `classify`, says what a directory is from its
+listing. A glob that matches nothing is an error naming it. In a bucket,
+each glob costs one listing.
+
+Paths are compared normalized (`normalize_path`): local paths by
+`os.path.normpath` (relative paths stay relative, as the operator typed
+them), URLs with their scheme lower-cased and their key normalized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+import os
+import posixpath
+import re
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+from clu_ckpt.errors import UsageError
+
+_HOST_DIR_RE = re.compile(r"^(?P<base>.+)-(?P<host>\d+)$")
+_URL_RE = re.compile(r"^[a-z][a-z0-9.+-]*://", re.I)
+# Flax's own `flax.training.checkpoints` layout: `checkpoint_<step>` files.
+_FLAX_TRAINING_RE = re.compile(r"^checkpoint_\d+$")
+
+
+# --------------------------------------------------------------------------
+# Paths.
+# --------------------------------------------------------------------------
+
+
+def split_url(path: str) -> tuple[str, str]:
+  """A path's scheme and the rest.
+
+  Args:
+    path: A local path or a URL.
+
+  Returns:
+    ("gs://", "bucket/key") for a URL; ("", path) for a local path.
+  """
+  m = _URL_RE.match(path)
+  return (m.group(0), path[m.end():]) if m else ("", path)
+
+
+def normalize_path(path: str) -> str:
+  """`path` spelled one way (the key of the plan's comparisons).
+
+  Args:
+    path: A local path (relative ones stay relative) or a URL.
+
+  Returns:
+    A local path through `os.path.normpath`; a URL with its scheme
+    lower-cased and its key normalized (`//`, `..`, a trailing slash).
+  """
+  scheme, rest = split_url(path)
+  if not scheme:
+    return os.path.normpath(path)
+  return scheme.lower() + posixpath.normpath(rest).lstrip("/")
+
+
+def absolute_path(path: str) -> str:
+  """`path` made absolute against the current directory (a URL: as is).
+
+  Args:
+    path: A local path or a URL.
+
+  Returns:
+    The absolute path, or the URL.
+  """
+  return path if split_url(path)[0] else os.path.abspath(path)
+
+
+def join_path(root: str, relative: str) -> str:
+  """`relative` under `root`, with the separator of `root`'s kind.
+
+  Args:
+    root: A local directory or a URL.
+    relative: A relative path ("/"-separated for a URL).
+
+  Returns:
+    The joined path.
+  """
+  if split_url(root)[0]:
+    return f"{root.rstrip('/')}/{relative}"
+  return os.path.join(root, relative)
+
+
+def relative_path(path: str, root: str) -> Optional[str]:
+  """`path` relative to `root`, when it is strictly inside it.
+
+  Args:
+    path: An absolute path or a URL.
+    root: An absolute path or a URL.
+
+  Returns:
+    The relative path, or None when `path` is `root` itself, outside it,
+    or on another store.
+  """
+  (s1, p1), (s2, p2) = split_url(path), split_url(root)
+  if s1 != s2:
+    return None
+  module = posixpath if s1 else os.path
+  relative = module.relpath(p1, p2)
+  if relative == "." or relative == ".." or relative.startswith(".." + "/"):
+    return None
+  return relative
+
+
+def parent_path(path: str) -> str:
+  """The directory holding `path`.
+
+  Args:
+    path: A local path or a URL.
+
+  Returns:
+    Its parent (a URL keeps its scheme).
+  """
+  scheme, rest = split_url(path)
+  return scheme + (posixpath if scheme else os.path).dirname(rest)
+
+
+def _has_wildcard(component: str) -> bool:
+  return any(c in component for c in "*?[")
+
+
+def glob_prefix(pattern: str) -> str:
+  """The directory above the first wildcard of `pattern` (its parent if none).
+
+  Args:
+    pattern: A glob, e.g. `/runs/*/checkpoints` or `gs://b/x/run-*`.
+
+  Returns:
+    The directory, e.g. `/runs` or `gs://b/x`: the default source root.
+  """
+  scheme, rest = split_url(normalize_path(pattern))
+  parts = rest.split("/")
+  for i, part in enumerate(parts):
+    if _has_wildcard(part):
+      return scheme + ("/".join(parts[:i]) or ("/" if not scheme else ""))
+  return scheme + ("/".join(parts[:-1]) or
+                   ("." if not scheme and not rest.startswith("/") else "/"))
+
+
+def _matches(path: str, pattern: str) -> bool:
+  """Whether `path` matches the glob `pattern` component by component
+  (`**`, a whole component, matches any number of them, none included)."""
+  return _match_parts(normalize_path(path).split("/"),
+                      normalize_path(pattern).split("/"))
+
+
+def _match_parts(parts: Sequence[str], patterns: Sequence[str]) -> bool:
+  if not patterns:
+    return not parts
+  if patterns[0] == "**":
+    return any(_match_parts(parts[i:], patterns[1:])
+               for i in range(len(parts) + 1))
+  return bool(parts) and fnmatch.fnmatchcase(parts[0], patterns[0]) and (
+      _match_parts(parts[1:], patterns[1:]))
+
+
+# --------------------------------------------------------------------------
+# What a directory is: one function.
+# --------------------------------------------------------------------------
+
+# Kinds `classify` returns.
+CLU = "clu"
+FLAX_TRAINING = "flax_training"
+EMPTY = "empty"
+OTHER = "other"
+NOT_DIRECTORY = "not_directory"
+UNLISTABLE = "unlistable"
+
+# The reason of a host directory skipped because its base is a run.
+HOST_REASON = "host directory of "
+
+_REASONS = {
+    EMPTY: "empty directory",
+    OTHER: "not a checkpoint directory (no `checkpoint` file, no "
+           "<name>-<N>.flax)",
+    NOT_DIRECTORY: "not a directory",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unlistable:
+  """A matched path whose listing failed, and why (a broken symbolic link,
+  a link loop, no permission): likely a run, so an error, never a skip."""
+  reason: str
+
+
+def classify(entries: "Optional[Mapping[str, int]] | Unlistable") -> str:
+  """What a directory is, from its listing alone.
+
+  The one place that decides; a layout the library learns to migrate is
+  added here (and to `_MIGRATED_KINDS`).
+
+  Args:
+    entries: Name -> size of each entry (-1 for a subdirectory), None
+      when the path is not a directory, or `Unlistable`.
+
+  Returns:
+    CLU (a `checkpoint` file or a `<name>-<N>.flax`), FLAX_TRAINING (Flax's
+    `checkpoint_<step>` files), EMPTY, OTHER, NOT_DIRECTORY or UNLISTABLE.
+  """
+  from clu_ckpt import layout  # pylint: disable=g-import-not-at-top
+  if entries is None:
+    return NOT_DIRECTORY
+  if isinstance(entries, Unlistable):
+    return UNLISTABLE
+  if layout.STATE_FILENAME in entries or any(
+      layout.FLAX_NAME_RE.match(n) for n in entries):
+    return CLU
+  if any(_FLAX_TRAINING_RE.match(n) and size >= 0
+         for n, size in entries.items()):
+    return FLAX_TRAINING
+  return EMPTY if not entries else OTHER
+
+
+# The kinds this version migrates (`clu_ckpt.migration.migrate` reads both).
+_MIGRATED_KINDS = (CLU, FLAX_TRAINING)
+
+
+# --------------------------------------------------------------------------
+# Listing: every candidate path of a glob with its entries.
+# --------------------------------------------------------------------------
+
+# A path's listing: name -> size (-1: a directory); None: not a directory.
+Entries = Union[None, dict[str, int], Unlistable]
+
+
+def _list_local_directory(path: str) -> Entries:
+  """The entries of `path`; None for a file; `Unlistable` when it fails."""
+  try:
+    with os.scandir(path) as it:
+      found = {}
+      for entry in it:
+        try:
+          found[entry.name] = (-1 if entry.is_dir() else
+                               entry.stat().st_size)
+        except OSError:
+          found[entry.name] = 0
+      return found
+  except NotADirectoryError:
+    return None
+  except FileNotFoundError:
+    if os.path.islink(path):  # matched by name, its target is not there
+      return Unlistable(f"a broken symbolic link to {os.readlink(path)}")
+    return None  # removed since it was matched
+  except OSError as e:
+    return Unlistable(e.strerror or str(e))
+
+
+def list_candidates(pattern: str) -> dict[str, Entries]:
+  """Paths matching `pattern` or `pattern-<int>`, each with its entries.
+
+  Locally: two globs and one directory listing per path. In a bucket: one
+  recursive listing under the pattern's fixed prefix, two levels deeper
+  than the pattern (every level with `**`), matched here.
+
+  Args:
+    pattern: A glob (a literal path is a glob matching itself): `*`, `?`,
+      `[...]` within a name, and `**` as a whole name for any number of
+      directories (none included), as a shell with globstar reads it.
+
+  Returns:
+    Normalized path -> entries (see `classify`), with, for every
+    `<base>-<int>` found, its other hosts and `<base>` itself when there
+    (whether `<base>` is a run decides what its `-<int>` siblings are).
+  """
+  pattern = normalize_path(pattern)
+  if split_url(pattern)[0]:
+    return _list_bucket(pattern)
+  paths = set(glob.glob(pattern, recursive=True))
+  paths.update(p for p in glob.glob(pattern + "-[0-9]*", recursive=True)
+               if _HOST_DIR_RE.match(p))
+  for base in {m.group("base") for m in map(_HOST_DIR_RE.match, list(paths))
+               if m}:  # the other hosts of a host directory matched
+    paths.update(p for p in glob.glob(glob.escape(base) + "-[0-9]*")
+                 if _HOST_DIR_RE.match(p))
+    if os.path.lexists(base):  # its base: a run of its own, or their base
+      paths.add(base)
+  return {normalize_path(p): _list_local_directory(p) for p in sorted(paths)}
+
+
+def _list_bucket(pattern: str) -> dict[str, Entries]:
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  scheme, key_pattern = split_url(pattern)
+  backend = storage.filesystem(pattern)
+  fs = getattr(backend, "fs", None)
+  if fs is None or not hasattr(fs, "find"):
+    return _list_bucket_slowly(pattern)
+  prefix = split_url(glob_prefix(pattern))[1].rstrip("/")
+  depth = (None if "**" in key_pattern.split("/") else
+           key_pattern.count("/") - prefix.count("/") + 1)
+  found = fs.find(prefix, maxdepth=depth, withdirs=True, detail=True)
+  host_pattern = key_pattern + "-[0-9]*"
+  candidates: dict[str, Entries] = {}
+  found = {key.rstrip("/"): info for key, info in found.items()}
+  for key, info in found.items():
+    if _matches(key, key_pattern) or (_matches(key, host_pattern) and
+                                      _HOST_DIR_RE.match(key)):
+      candidates[key] = ({} if info.get("type") == "directory" else None)
+  bases = {m.group("base") for m in map(_HOST_DIR_RE.match, list(candidates))
+           if m}  # the other hosts of a host directory matched
+  for key, info in found.items():
+    m = _HOST_DIR_RE.match(key)
+    if (m and m.group("base") in bases or key in bases) and (
+        key not in candidates):  # their other hosts, and their base
+      candidates[key] = ({} if info.get("type") == "directory" else None)
+  for key, info in found.items():
+    parent, name = posixpath.split(key)
+    if candidates.get(parent) is not None:
+      is_dir = info.get("type") == "directory"
+      candidates[parent][name] = -1 if is_dir else int(info.get("size") or 0)
+  return {scheme + k: v for k, v in sorted(candidates.items())}
+
+
+def _list_bucket_slowly(pattern: str) -> dict[str, Entries]:
+  """Through `clu_ckpt.storage` only: one listing per candidate."""
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  paths = set(storage.glob(pattern))
+  paths.update(p for p in storage.glob(pattern + "-[0-9]*")
+               if _HOST_DIR_RE.match(p))
+  result = {}
+  for p in sorted(paths):
+    result[normalize_path(p)] = ({n: 0 for n in storage.listdir(p)}
+                                 if storage.isdir(p) else None)
+  return result
+
+
+# --------------------------------------------------------------------------
+# The plan: runs and skipped paths.
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+  """One source to migrate.
+
+  Attributes:
+    source: The CLU `Checkpoint` directory or `MultihostCheckpoint` base,
+      as listed (normalized).
+    kind: "Checkpoint", "MultihostCheckpoint" or FLAX_TRAINING.
+    hosts: The host directories of a multihost base.
+    nbytes: The size of its files when listed.
+    destination: Its Orbax root (set by `assign_destinations`).
+    error: Why it cannot be migrated (an explicitly named source that is
+      not a checkpoint directory); it is then reported, not migrated.
+  """
+  source: str
+  kind: str
+  hosts: list[str] = dataclasses.field(default_factory=list)
+  nbytes: int = 0
+  destination: str = ""
+  error: Optional[str] = None
+
+
+@dataclasses.dataclass
+class Skipped:
+  """A path a glob matched that is not migrated, and why."""
+  path: str
+  reason: str
+  glob: str
+
+
+@dataclasses.dataclass
+class Plan:
+  runs: list[Run]
+  skipped: list[Skipped]
+
+
+def _size(entries: Entries) -> int:
+  if not isinstance(entries, dict):
+    return 0
+  return sum(s for s in entries.values() if s > 0)
+
+
+def _host_error(base: str, hosts: Mapping[int, str],
+                candidates: Mapping[str, Entries]) -> Optional[str]:
+  """Why a multihost run's hosts cannot be migrated as found, or None.
+
+  A gap in the host numbers (`-0` and `-2`, no `-1`) means a host's
+  checkpoints are missing or misnamed: migrating the others would drop
+  that host's iterator without a word. A host that cannot be listed is
+  the run's error too.
+  """
+  for host in sorted(hosts):
+    entries = candidates[hosts[host]]
+    if isinstance(entries, Unlistable):
+      return f"cannot list {hosts[host]}: {entries.reason}"
+  missing = sorted(set(range(max(hosts) + 1)) - set(hosts))
+  if not missing:
+    return None
+  names = ", ".join(f"{base}-{h}" for h in missing)
+  found = ", ".join(map(str, sorted(hosts)))
+  plural = "ies" if len(missing) > 1 else "y"
+  return (f"host director{plural} {names} missing (found hosts {found}): "
+          "restore it, or migrate the hosts found with clu-ckpt migrate")
+
+
+def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
+                 explicit: Optional[str] = None) -> Plan:
+  """The runs and skipped paths of one glob (or one named path).
+
+  Args:
+    pattern: The glob (for a named path, the path with its glob characters
+      escaped).
+    candidates: `list_candidates(pattern)`.
+    explicit: The path, when `pattern` is a source named on the command
+      line: if it is not a run, it is a run with an error (it was asked
+      for), not skipped.
+
+  Returns:
+    The plan of this pattern.
+  """
+  pattern = normalize_path(pattern)
+  runs, skipped, covered = [], [], set()
+  # Multihost bases: <base>-0 a checkpoint directory, <base> itself not one.
+  groups: dict[str, dict[int, str]] = {}
+  for path in candidates:
+    m = _HOST_DIR_RE.match(path)
+    if m and classify(candidates[path]) != NOT_DIRECTORY:
+      groups.setdefault(m.group("base"), {})[int(m.group("host"))] = path
+  for base, hosts in sorted(groups.items()):
+    named = _matches(base, pattern) or any(
+        _matches(h, pattern) for h in hosts.values())
+    if (0 not in hosts or
+        classify(candidates[hosts[0]]) not in (CLU, UNLISTABLE) or
+        not named or classify(candidates.get(base)) == CLU):
+      continue
+    ordered = [hosts[h] for h in sorted(hosts)]
+    runs.append(Run(base, "MultihostCheckpoint", ordered,
+                    sum(_size(candidates[h]) for h in ordered),
+                    error=_host_error(base, hosts, candidates)))
+    covered.add(base)
+    for h in ordered:
+      covered.add(h)
+      if _matches(h, pattern):
+        skipped.append(Skipped(h, f"{HOST_REASON}{base}", pattern))
+  for path, entries in candidates.items():
+    if path in covered or not _matches(path, pattern):
+      continue
+    kind = classify(entries)
+    if kind in _MIGRATED_KINDS:
+      runs.append(Run(path, "Checkpoint" if kind == CLU else kind,
+                      nbytes=_size(entries)))
+    elif kind == UNLISTABLE:  # likely a run: an error, whoever named it
+      runs.append(Run(path, kind, error=f"cannot list: {entries.reason}"))
+    elif explicit:
+      runs.append(Run(path, kind, error=_REASONS[kind]))
+    else:
+      skipped.append(Skipped(path, _REASONS[kind], pattern))
+  if explicit and not runs:
+    runs.append(Run(explicit, "Checkpoint", error=(
+        "no such directory, and no "
+        f"{posixpath.basename(explicit)}-<host_id> directories beside it")))
+  return Plan(runs, skipped)
+
+
+def plan_fleet(sources: Sequence[str], globs: Sequence[str],
+               lister: Callable[[str], Mapping[str, Entries]] = list_candidates
+               ) -> Plan:
+  """Every run named or matched, and every matched path skipped.
+
+  Args:
+    sources: Paths named directly (`--sources`, `--sources-file`).
+    globs: `--source-glob` patterns.
+    lister: `list_candidates` (a test may count its calls).
+
+  Returns:
+    The plan, runs and skipped paths sorted and de-duplicated (a path that
+    is a run is not also skipped).
+
+  Raises:
+    UsageError: A glob matched nothing.
+  """
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  plans = []
+  for pattern in globs:
+    plan = plan_pattern(pattern, lister(pattern))
+    if not plan.runs and not plan.skipped:
+      raise UsageError(f"--source-glob {pattern!r} matched nothing")
+    plans.append(plan)
+  for source in sources:
+    escaped = storage.glob_escape(normalize_path(source))
+    plans.append(plan_pattern(escaped, lister(escaped),
+                              explicit=normalize_path(source)))
+  # One entry per path, however spelled (relative or absolute, `./`, a
+  # trailing slash): the first spelling listed, the globs' first.
+  runs: dict[str, Run] = {}
+  for plan in plans:
+    for run in plan.runs:
+      key = _identity(run.source)
+      if key not in runs or (runs[key].error and not run.error):
+        runs[key] = run
+  skipped: dict[str, Skipped] = {}
+  for plan in plans:
+    for s in plan.skipped:
+      if _identity(s.path) not in runs:
+        skipped.setdefault(_identity(s.path), s)
+  return Plan(sorted(runs.values(), key=lambda r: r.source),
+              sorted(skipped.values(), key=lambda s: s.path))
+
+
+def _identity(path: str) -> str:
+  """What two spellings of one path have in common."""
+  return normalize_path(absolute_path(path))
+
+
+# A comment: a line starting with "#", or "#" after a blank ("a#b" is a
+# path: run names may hold "#").
+_COMMENT_RE = re.compile(r"(^|\s)#.*$")
+
+
+def read_sources_file(path: str) -> list[str]:
+  """The paths listed in a file, one a line.
+
+  Args:
+    path: The file (`--sources-file`; local, or a bucket URL). Blank lines
+      are ignored; "#" starts a comment at the start of a line or after a
+      blank, so that a "#" inside a name (`runs/exp#3`) stays part of it.
+
+  Returns:
+    The paths, as written (surrounding blanks removed).
+
+  Raises:
+    UsageError: The file cannot be read, or is not UTF-8 text.
+  """
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  try:
+    # utf-8-sig: a file saved by an editor that starts it with a BOM.
+    text = storage.read_bytes(path).decode("utf-8-sig")
+  except OSError as e:
+    raise UsageError(f"--sources-file {path}: {e.strerror or e}") from None
+  except UnicodeDecodeError as e:
+    raise UsageError(f"--sources-file {path}: not UTF-8 text ({e})") from None
+  lines = [_COMMENT_RE.sub("", l).strip() for l in text.splitlines()]
+  return [l for l in lines if l]
+
+

@@ -1,0 +1,466 @@
+r"""What a fleet migration tells its operator: progress lines, the JSON report.
+
+Synopsis::
+
+  import sys
+  from clu_ckpt.migration import fleet_report
+
+  fleet_report.prepare_report("/reports/shard-0.json")  # before any work
+  progress = fleet_report.ProgressPrinter(total=12, stream=sys.stdout,
+                                          total_bytes=9 * 2**30)
+  progress.run_done(entry, nbytes)   # "[3/12] /runs/a ok (4 steps, ...)"
+  fleet_report.write_report("/reports/shard-0.json", report)  # atomic
+
+  merged = fleet_report.merge_reports(
+      [(p, fleet_report.load_report(p)) for p in shard_report_paths])
+
+A report (JSON) holds every run of a shard with its status (FINISHED:
+"ok", "failed", "error"; or "interrupted", "pending"), its seconds and its
+migration summary, and every skipped path with its reason; "complete" is
+true once the shard ended without being stopped. It is written atomically
+after every finished run (`ReportWriter` bounds what that costs a huge
+fleet), so a killed fleet leaves a report of what finished;
+`merge_reports` accepts such partial reports.
+
+Progress: one line per finished run, in binary units, e.g.
+`[3/12] /runs/a/checkpoints ok (4 steps, 1.2 GiB, 35 s); 3.4 GiB of 9.0 GiB,
+0 failures, ETA 2 min`. On a terminal one line is rewritten in place (runs
+not ok keep their line); elsewhere (a log, a pipe) one plain line per run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import posixpath
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence, TextIO
+
+from clu_ckpt.errors import UsageError
+from clu_ckpt.migration.fleet_discovery import split_url
+
+# The statuses of a run that ended (the others: "interrupted", "pending").
+FINISHED = ("ok", "failed", "error")
+
+
+# --------------------------------------------------------------------------
+# Progress.
+# --------------------------------------------------------------------------
+
+
+def format_bytes(nbytes: float) -> str:
+  """A size in binary units, as every fleet line shows sizes.
+
+  Args:
+    nbytes: A byte count.
+
+  Returns:
+    E.g. "512 B", "1.2 GiB" (`1288490188`).
+  """
+  units = ("B", "KiB", "MiB", "GiB", "TiB")
+  scale = 0
+  while nbytes >= 1024 and scale < len(units) - 1:
+    nbytes /= 1024
+    scale += 1
+  return f"{nbytes:.0f} B" if not scale else f"{nbytes:.1f} {units[scale]}"
+
+
+def format_seconds(seconds: float) -> str:
+  """A duration, rounded as a person reads it.
+
+  Args:
+    seconds: The duration.
+
+  Returns:
+    "35 s" (`35`), "2 min" (`130`), "1 h 7 min" (`4000`).
+  """
+  if seconds < 60:
+    return f"{seconds:.0f} s"
+  minutes = round(seconds / 60)
+  return f"{minutes} min" if minutes < 60 else (
+      f"{minutes // 60} h {minutes % 60} min")
+
+
+def describe_run(entry: Mapping[str, Any]) -> str:
+  """A finished run in one line.
+
+  Args:
+    entry: Its report entry ("source", "status", "seconds", "summary",
+      "error").
+
+  Returns:
+    `source status (steps, bytes written, seconds)[: error]`.
+  """
+  details = _step_details((entry.get("summary") or {}).get("steps"))
+  details.append(format_seconds(entry.get("seconds", 0)))
+  note = f": {entry['error']}" if entry.get("error") else ""
+  return f"{entry['source']} {entry['status']} ({', '.join(details)}){note}"
+
+
+def _step_details(steps: Optional[Sequence[Mapping[str, Any]]]) -> list[str]:
+  """["4 steps", "1 skipped", "1.2 GiB" (not skipped)], or [] for None."""
+  if steps is None:
+    return []
+  skipped = sum(1 for s in steps if s.get("status") == "skipped")
+  nbytes = sum(s.get("nbytes", 0) for s in steps
+               if s.get("status") != "skipped")
+  return ([f"{len(steps)} step{'' if len(steps) == 1 else 's'}"] +
+          ([f"{skipped} skipped"] if skipped else []) + [format_bytes(nbytes)])
+
+
+class ProgressPrinter:
+  """Prints `[i/N] <run>; <bytes> of <total>, <k> failed, ETA ...`.
+
+  Bytes are the runs' source sizes when listed; the ETA extrapolates the
+  fraction done (by bytes when sizes are known, else by runs). On a
+  non-terminal, one line per run; on a terminal, one line rewritten in
+  place, except that runs not ok keep their line.
+  """
+
+  def __init__(self, total: int, stream: TextIO,
+               clock: Callable[[], float] = time.time,
+               total_bytes: int = 0):
+    self._total = total
+    self._total_bytes = total_bytes
+    self._stream = stream
+    self._clock = clock
+    self._start = clock()
+    self._done = 0
+    self._done_bytes = 0
+    self._failures = 0
+    self._tty = stream.isatty()
+    self._pending_newline = False
+
+  def run_done(self, entry: Mapping[str, Any], nbytes: int = 0) -> None:
+    """Prints one finished run and the totals so far.
+
+    Args:
+      entry: The run's report entry.
+      nbytes: Its source bytes (counted into the totals and the ETA).
+    """
+    self._done += 1
+    if entry["status"] in FINISHED:
+      self._done_bytes += nbytes
+    if entry["status"] in ("failed", "error"):
+      self._failures += 1
+    line = (f"[{self._done}/{self._total}] {describe_run(entry)}; "
+            f"{self._totals()}")
+    if not self._tty:
+      print(line, file=self._stream, flush=True)
+      return
+    self._stream.write(f"\r\x1b[K{line}")
+    self._pending_newline = True
+    if entry["status"] != "ok":
+      self.close()
+    self._stream.flush()
+
+  def _totals(self) -> str:
+    parts = []
+    if self._total_bytes:
+      parts.append(f"{format_bytes(self._done_bytes)} of "
+                   f"{format_bytes(self._total_bytes)}")
+    plural = "" if self._failures == 1 else "s"
+    parts.append(f"{self._failures} failure{plural}")
+    elapsed = self._clock() - self._start
+    if self._done >= self._total:
+      parts.append(f"all done in {format_seconds(elapsed)}")
+    else:
+      fraction = (self._done_bytes / self._total_bytes if self._total_bytes
+                  and self._done_bytes else self._done / self._total)
+      parts.append(f"ETA {format_seconds(elapsed / fraction - elapsed)}")
+    return ", ".join(parts)
+
+  def close(self) -> None:
+    """Ends a line left open on a terminal."""
+    if self._pending_newline:
+      self._stream.write("\n")
+      self._stream.flush()
+      self._pending_newline = False
+
+
+# --------------------------------------------------------------------------
+# Reports.
+# --------------------------------------------------------------------------
+
+
+def now() -> str:
+  """The time now (UTC), as the reports write it."""
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(
+      timespec="seconds")
+
+
+def count_statuses(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+  """How many runs have each status.
+
+  Args:
+    runs: Report entries.
+
+  Returns:
+    {"ok": n, "failed": n, "error": n} and every other status present
+    ("interrupted", "pending").
+  """
+  counts = {s: 0 for s in FINISHED}
+  for r in runs:
+    counts[r["status"]] = counts.get(r["status"], 0) + 1
+  return counts
+
+
+def report_bytes(report: Mapping[str, Any]) -> bytes:
+  """A report as JSON text: a field a line, and each run (each skipped
+  path) on a line of its own.
+
+  Readable, and fast: each line goes through `json`'s C encoder (an indented
+  dump of a 1000-run report takes the pure-Python one, 5x slower).
+
+  Args:
+    report: The report.
+
+  Returns:
+    UTF-8 JSON, which `json.loads` reads back as `report`.
+  """
+  fields = []
+  for key, value in report.items():
+    if isinstance(value, list) and value:
+      items = ",\n".join(f"  {json.dumps(v)}" for v in value)
+      fields.append(f" {json.dumps(key)}: [\n{items}\n ]")
+    else:
+      fields.append(f" {json.dumps(key)}: {json.dumps(value)}")
+  return ("{\n" + ",\n".join(fields) + "\n}\n").encode("utf-8")
+
+
+def write_report(path: str, report: Mapping[str, Any],
+                 durable: bool = True) -> None:
+  """Writes a report as JSON, atomically (a reader never sees half of it).
+
+  Args:
+    path: A local path or a bucket URL.
+    report: The report.
+    durable: Locally, fsync it before and after the rename (the final
+      report). Without, the rename alone: a reader, or the process's
+      death, still never leaves half of it; only a power cut may lose the
+      latest rewrite (the fleet's progress rewrites, many and frequent).
+  """
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  data = report_bytes(report)
+  if durable or split_url(path)[0]:
+    with storage.atomic_writer(path) as write:
+      write(data)
+    return
+  temporary = f"{path}.tmp-{os.getpid()}"
+  try:
+    with open(temporary, "wb") as f:
+      f.write(data)
+    os.replace(temporary, path)
+  except BaseException:
+    try:
+      os.remove(temporary)
+    except OSError:
+      pass
+    raise
+
+
+class ReportWriter:
+  """Rewrites a fleet's report as its runs finish, at a bounded cost.
+
+  A report grows with the fleet, so rewriting all of it after every run
+  costs the fleet's process time quadratic in the number of runs. `update`
+  (after every finished run) writes at once unless the last write ended
+  less than `pause` times its own duration ago; the report is then written
+  by the next `update` or `flush_due` (called every fraction of a second).
+  The writes so take at most about 1 / (pause + 1) of the process's time:
+  after every run on a small fleet, every few seconds on one of 10,000.
+
+  Example::
+
+    writer = ReportWriter(path, lambda: shard_report(complete=False))
+    writer.update()                      # every run pending
+    ...                                  # after each run: writer.update()
+    writer.close(shard_report(complete=True))
+  """
+
+  def __init__(self, path: str, build: Callable[[], Mapping[str, Any]],
+               pause: float = 10.0,
+               clock: Callable[[], float] = time.monotonic,
+               write: Callable[..., None] = write_report):
+    self._path = path
+    self._build = build
+    self._pause = pause
+    self._clock = clock
+    self._write = write
+    self._dirty = False
+    self._next = float("-inf")
+
+  def update(self) -> None:
+    """The report changed: writes it now, or once the pause is over."""
+    self._dirty = True
+    self.flush_due()
+
+  def flush_due(self) -> None:
+    """Writes the report if it changed and the pause is over."""
+    if not self._dirty or self._clock() < self._next:
+      return
+    start = self._clock()
+    self._write(self._path, self._build(), durable=False)
+    end = self._clock()
+    self._next = end + self._pause * (end - start)
+    self._dirty = False
+
+  def close(self, report: Mapping[str, Any]) -> None:
+    """Writes the final report, durably (fsync).
+
+    Args:
+      report: The final report.
+    """
+    self._write(self._path, report, durable=True)
+    self._dirty = False
+
+
+def prepare_report(path: str, flag: str = "--report") -> None:
+  """Checks that a report can be written at `path`, making its directory.
+
+  Called before any work, so that a fleet never ends without its report.
+
+  Args:
+    path: `--report` (local, or a bucket URL: only its directory is made).
+    flag: The flag that named `path`, for the messages.
+
+  Raises:
+    UsageError: It cannot (a directory there, no permission, ...).
+  """
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  if not split_url(path)[0]:
+    if os.path.isdir(path):
+      raise UsageError(f"{flag} {path}: is a directory")
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+      raise UsageError(f"{flag} {path}: cannot make {directory}: "
+                       f"{e.strerror or e}") from None
+    if not os.access(directory, os.W_OK):
+      raise UsageError(f"{flag} {path}: {directory} is not writable")
+  else:
+    storage.makedirs(posixpath.dirname(path))
+
+
+def load_report(path: str) -> dict[str, Any]:
+  """A report written by the fleet (complete, partial or merged).
+
+  Args:
+    path: A local path or a bucket URL.
+
+  Returns:
+    The report.
+
+  Raises:
+    UsageError: Unreadable, not JSON, or not a report.
+  """
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  try:
+    report = json.loads(storage.read_bytes(path))
+  except (OSError, ValueError) as e:
+    raise UsageError(f"cannot read report {path}: {e}") from None
+  if not (isinstance(report, dict) and isinstance(report.get("runs"), list)
+          and "destination_root" in report):
+    raise UsageError(f"{path} is not a fleet migration report")
+  return report
+
+
+def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
+                  ) -> dict[str, Any]:
+  """Merges shard reports of one fleet (partial ones too) into one report.
+
+  Args:
+    reports: (path, report) pairs. When a source is in several, a finished
+      entry ("ok", "failed", "error") wins over an unfinished one
+      ("pending", "interrupted"); among equals, that of the newest report
+      ("created"; ties: the later pair).
+
+  Returns:
+    The merged report: every run with its "shard", every skipped path, the
+    shard reports merged ("merged_from"; a merged report given as input
+    stands for the shard reports it merged), the shards missing (when all
+    agree on the shard count), counts, "complete" (every report was) and
+    "ok" (every run ok, no shard missing, no run of the fleet missing).
+
+  Raises:
+    UsageError: No reports, or reports of different destination roots.
+  """
+  if not reports:
+    raise UsageError("--merge-reports needs the reports to merge as arguments")
+  root = _same_destination_root(reports)
+  order = sorted(range(len(reports)),
+                 key=lambda i: (reports[i][1].get("created", ""), i))
+  runs: dict[str, dict[str, Any]] = {}
+  skipped: dict[str, Any] = {}
+  for i in order:
+    path, report = reports[i]
+    for run in report["runs"]:
+      previous = runs.get(run["source"])
+      if (previous is not None and previous["status"] in FINISHED and
+          run["status"] not in FINISHED):
+        continue
+      runs[run["source"]] = dict(run, report=path,
+                                 shard=run.get("shard", _shard(report)[0]))
+    for s in report.get("skipped", []):
+      skipped[s["path"]] = s
+  merged_runs = [runs[s] for s in sorted(runs)]
+  merged_from = [m for p, r in reports for m in _shards_of(p, r)]
+  missing = _missing_shards(merged_from)
+  fleet_size = max(r.get("fleet_size", len(r["runs"])) for _, r in reports)
+  counts = count_statuses(merged_runs)
+  return {
+      "created": now(),
+      "destination_root": root,
+      "merged_from": merged_from,
+      "fleet_size": fleet_size,
+      "missing_shards": missing,
+      "complete": all(r.get("complete", True) for _, r in reports),
+      "counts": counts,
+      "ok": (counts["ok"] == len(merged_runs) == fleet_size and
+             not missing),
+      "runs": merged_runs,
+      "skipped": [skipped[p] for p in sorted(skipped)],
+  }
+
+
+def _same_destination_root(reports: Sequence[tuple[str, Mapping[str, Any]]]
+                           ) -> str:
+  first_path, first = reports[0]
+  root = first["destination_root"]
+  for path, report in reports[1:]:
+    if os.path.normpath(report["destination_root"]) != os.path.normpath(root):
+      raise UsageError(
+          f"refusing to merge reports of different fleets: {first_path} "
+          f"migrated into {root}, {path} into {report['destination_root']}")
+  return root
+
+
+def _shard(report: Mapping[str, Any]) -> tuple[int, int]:
+  """(shard index, shard count) of a report (0, 1 for an unsharded one)."""
+  return report.get("shard_index", 0), report.get("num_shards", 1)
+
+
+def _missing_shards(shards: Sequence[Mapping[str, Any]]) -> list[int]:
+  """The shard indices none of `shards` ("merged_from" entries) ran, when
+  they agree on the shard count ([] when they do not)."""
+  counts = {s["num_shards"] for s in shards}
+  if len(counts) != 1:
+    return []
+  return sorted(set(range(counts.pop())) - {s["shard_index"] for s in shards})
+
+
+def _shards_of(path: str, report: Mapping[str, Any]
+               ) -> list[dict[str, Any]]:
+  """The shard reports `report` stands for ("merged_from" entries): itself,
+  or, for a merged report, the shard reports merged into it."""
+  if isinstance(report.get("merged_from"), list):
+    return [dict(m) for m in report["merged_from"]]
+  index, count = _shard(report)
+  return [{"report": path, "created": report.get("created"),
+           "shard_index": index, "num_shards": count,
+           "complete": report.get("complete", True),
+           "runs": len(report["runs"])}]
+
+

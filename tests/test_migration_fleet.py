@@ -1,0 +1,793 @@
+"""Tests of the fleet migration's modules, in-process.
+
+`clu_ckpt.migration.fleet_discovery` (what a directory is, the plan of a
+glob), `fleet_assignment` (destinations, the recorded source root,
+shards), `fleet_report` (progress lines, reports and their merging),
+`fleet_workers.migrate_kwargs` and the command line's options of
+`clu_ckpt.migration.fleet`. Directory trees are of empty files named as
+CLU names them (the plan reads names only). The command line in real
+processes (usage errors, real fleets, worker crashes, signals) is tested in
+tests/test_migrate_runs.py.
+"""
+
+import argparse
+import io
+import json
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fleet_helpers import clu_dir
+from fleet_helpers import make_tree
+from clu_ckpt import cli
+from clu_ckpt import errors
+from clu_ckpt.migration import fleet
+from clu_ckpt.migration import fleet_assignment
+from clu_ckpt.migration import fleet_discovery
+from clu_ckpt.migration import fleet_report
+from clu_ckpt.migration import fleet_workers
+
+
+@pytest.fixture(name="tree")
+def fixture_tree(tmp_path, monkeypatch):
+  """`fleet_helpers.make_tree` in `tmp_path`, the current directory."""
+  make_tree(tmp_path)
+  monkeypatch.chdir(tmp_path)
+  return tmp_path
+
+
+def _migrate_subparser() -> argparse.ArgumentParser:
+  """`clu-ckpt migrate`'s parser, from the `clu-ckpt` command's."""
+  # pylint: disable=protected-access
+  for action in cli.build_parser()._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      return action.choices["migrate"]
+  raise AssertionError("clu-ckpt has no migrate command")
+
+
+# --------------------------------------------------------------------------
+# What a directory is (fleet_discovery.classify).
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entries, kind", [
+    (None, "not_directory"),
+    ({}, "empty"),
+    ({"notes.txt": 3, "sub": -1}, "other"),
+    ({"checkpoint": 80, "ckpt-1.index": 10}, "clu"),
+    ({"ckpt-3.flax": 100}, "clu"),  # a .flax alone: CLU's, whatever else
+    ({"checkpoint_100": 100, "checkpoint_200": 100}, "flax_training"),
+    ({"checkpoint_100": -1}, "other"),  # a directory: Orbax's, not msgpack
+])
+def test_classify(entries, kind):
+  assert fleet_discovery.classify(entries) == kind
+
+
+# --------------------------------------------------------------------------
+# The plan: every match a run or skipped with its reason (fleet_discovery).
+# --------------------------------------------------------------------------
+
+
+def _summary(plan):
+  return ([(r.source, r.kind, [Path(h).name for h in r.hosts], r.error)
+           for r in plan.runs],
+          [(s.path, s.reason) for s in plan.skipped])
+
+
+_HOSTS = ["checkpoints-0", "checkpoints-1"]
+
+
+def test_a_glob_naming_bases_covers_their_hosts_and_lists_the_rest(tree):
+  del tree
+  runs, skipped = _summary(
+      fleet_discovery.plan_fleet([], ["runs/*/checkpoints"]))
+  assert runs == [
+      ("runs/a/checkpoints", "Checkpoint", [], None),
+      ("runs/b/checkpoints", "Checkpoint", [], None),
+      ("runs/f/checkpoints", "flax_training", [], None),
+      ("runs/m/checkpoints", "MultihostCheckpoint", _HOSTS, None)]
+  assert skipped == [
+      ("runs/e/checkpoints", "empty directory"),
+      ("runs/o/checkpoints", "not a checkpoint directory (no `checkpoint` "
+       "file, no <name>-<N>.flax)")]
+
+
+@pytest.mark.parametrize("pattern", ["runs/m/checkpoints-*",
+                                     "runs/*/checkpoints-[0-9]",
+                                     "runs/m/checkpoints-1"])
+def test_a_glob_matching_host_directories_covers_their_base(tree,
+                                                            pattern):
+  del tree
+  runs, skipped = _summary(fleet_discovery.plan_fleet([], [pattern]))
+  assert runs == [("runs/m/checkpoints", "MultihostCheckpoint", _HOSTS,
+                   None)]
+  # Each host directory the glob matched is listed, with its base.
+  matched = [h for h in _HOSTS if re.fullmatch(
+      pattern.split("/")[-1].replace("*", ".*").replace("[0-9]", "[0-9]"),
+      h)]
+  assert skipped == [(f"runs/m/{h}", "host directory of runs/m/checkpoints")
+                     for h in matched]
+
+
+def test_numbered_runs_without_host_0_are_separate_runs(tmp_path,
+                                                        monkeypatch):
+  clu_dir(tmp_path, "runs/exp-1")
+  clu_dir(tmp_path, "runs/exp-2")
+  monkeypatch.chdir(tmp_path)
+  runs, skipped = _summary(fleet_discovery.plan_fleet([], ["runs/*"]))
+  assert [r[:2] for r in runs] == [("runs/exp-1", "Checkpoint"),
+                                   ("runs/exp-2", "Checkpoint")]
+  assert not skipped
+
+
+def test_a_named_base_is_a_multihost_run(tree):
+  del tree
+  runs, _ = _summary(fleet_discovery.plan_fleet(["runs/m/checkpoints"], []))
+  assert runs == [("runs/m/checkpoints", "MultihostCheckpoint", _HOSTS,
+                   None)]
+
+
+def test_a_named_path_that_is_not_a_run_is_an_error_not_a_skip(tree):
+  del tree
+  runs, skipped = _summary(fleet_discovery.plan_fleet(
+      ["runs/e/checkpoints", "runs/missing"], []))
+  assert runs == [
+      ("runs/e/checkpoints", "empty", [], "empty directory"),
+      ("runs/missing", "Checkpoint", [], "no such directory, and no "
+       "missing-<host_id> directories beside it")]
+  assert not skipped
+
+
+def test_a_glob_matching_nothing_is_named(tree):
+  del tree
+  with pytest.raises(errors.UsageError,
+                     match=re.escape("--source-glob 'runs/*/nope' matched "
+                                     "nothing")):
+    fleet_discovery.plan_fleet([], ["runs/*/checkpoints", "runs/*/nope"])
+
+
+def test_a_path_matched_twice_is_one_run(tree):
+  del tree
+  plan = fleet_discovery.plan_fleet(["runs/a/checkpoints"],
+                                    ["runs/*/checkpoints", "runs/a/*"])
+  assert [r.source for r in plan.runs].count("runs/a/checkpoints") == 1
+  assert len({s.path for s in plan.skipped}) == len(plan.skipped)
+
+
+# An operator's fleet, attacked for runs left out silently: every path a
+# glob matches ends as a run (possibly an error, which fails the exit
+# status) or as skipped with a reason that really means "not a run".
+
+
+def test_the_same_run_named_twice_is_one_run(tree):
+  """Relative and absolute spellings, a trailing slash, `./`: one run."""
+  absolute = str(tree / "runs" / "a" / "checkpoints") + "/"
+  plan = fleet_discovery.plan_fleet(
+      ["runs/a/checkpoints/", absolute], ["./runs/*/checkpoints"])
+  sources = [r.source for r in plan.runs]
+  assert sources.count("runs/a/checkpoints") == 1, sources
+  assert absolute.rstrip("/") not in sources
+  assert all(r.error is None for r in plan.runs), plan.runs
+
+
+def test_a_glob_with_a_trailing_slash_finds_the_same_runs(tree):
+  del tree
+  assert (_summary(fleet_discovery.plan_fleet([], ["runs/*/checkpoints/"]))
+          == _summary(fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])))
+
+
+def test_a_symlinked_run_is_a_run_under_its_own_name(tree):
+  clu_dir(tree, "elsewhere/real")
+  (tree / "runs" / "l").mkdir()
+  (tree / "runs" / "l" / "checkpoints").symlink_to(tree / "elsewhere/real")
+  runs, _ = _summary(fleet_discovery.plan_fleet([], ["runs/l/*"]))
+  assert runs == [("runs/l/checkpoints", "Checkpoint", [], None)]
+
+
+def test_a_dangling_symlink_is_an_error_not_a_skip(tree):
+  """A run behind a link to an unmounted disk is not "not a directory"."""
+  (tree / "runs" / "d").mkdir()
+  (tree / "runs" / "d" / "checkpoints").symlink_to("/nonexistent/mount")
+  plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])
+  dangling = [r for r in plan.runs if r.source == "runs/d/checkpoints"]
+  assert [r.error for r in dangling] == [
+      "cannot list: a broken symbolic link to /nonexistent/mount"]
+  assert "runs/d/checkpoints" not in {s.path for s in plan.skipped}
+
+
+def test_an_unlistable_path_is_an_error_of_its_own(tree):
+  """A symbolic link loop (as a directory without permission): its own
+  error; the other runs are planned."""
+  (tree / "runs" / "x").mkdir()
+  (tree / "runs" / "x" / "checkpoints").symlink_to("checkpoints")
+  plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])
+  errors_ = {r.source: r.error for r in plan.runs if r.error}
+  assert errors_ == {
+      "runs/x/checkpoints": "cannot list: Too many levels of symbolic links"}
+  assert len(plan.runs) == 5
+
+
+def test_host_directories_with_a_gap_are_an_error(tree):
+  """`<base>-0` and `<base>-2` without `<base>-1`: a host's checkpoints are
+  missing (or misnamed); migrating the others alone would drop them."""
+  clu_dir(tree, "runs/g/checkpoints-0")
+  clu_dir(tree, "runs/g/checkpoints-2")
+  plan = fleet_discovery.plan_fleet([], ["runs/g/checkpoints"])
+  assert [(r.source, r.kind, r.error) for r in plan.runs] == [
+      ("runs/g/checkpoints", "MultihostCheckpoint",
+       "host directory runs/g/checkpoints-1 missing (found hosts 0, 2): "
+       "restore it, or migrate the hosts found with clu-ckpt migrate")]
+
+
+def test_a_recursive_glob_finds_runs_at_every_depth(tree):
+  """`**` (as in a shell with globstar) matched one level only: the runs
+  deeper down were left out without a word."""
+  clu_dir(tree, "runs/team/x/checkpoints")
+  for host in (0, 1):
+    clu_dir(tree, f"runs/team/y/deep/checkpoints-{host}")
+  runs, _ = _summary(fleet_discovery.plan_fleet([], ["runs/**/checkpoints"]))
+  assert [r[:2] for r in runs] == [
+      ("runs/a/checkpoints", "Checkpoint"),
+      ("runs/b/checkpoints", "Checkpoint"),
+      ("runs/f/checkpoints", "flax_training"),
+      ("runs/m/checkpoints", "MultihostCheckpoint"),
+      ("runs/team/x/checkpoints", "Checkpoint"),
+      ("runs/team/y/deep/checkpoints", "MultihostCheckpoint")]
+
+
+def test_a_host_like_directory_beside_a_run_is_a_run(tree):
+  """`runs/a/checkpoints` is a run and `runs/a/checkpoints-0` another: a
+  glob matching only the latter made it a host of the former, so the former
+  (not matched) would have been migrated and the latter left out."""
+  clu_dir(tree, "runs/a/checkpoints-0")
+  runs, skipped = _summary(
+      fleet_discovery.plan_fleet([], ["runs/a/checkpoints-*"]))
+  assert runs == [("runs/a/checkpoints-0", "Checkpoint", [], None)]
+  assert not skipped
+
+
+def test_a_name_with_spaces_and_glob_characters(tree):
+  clu_dir(tree, "runs/my run [1]/checkpoints")
+  named = fleet_discovery.plan_fleet(["runs/my run [1]/checkpoints"], [])
+  globbed = fleet_discovery.plan_fleet([], ["runs/my run*/checkpoints"])
+  assert ([(r.source, r.error) for r in named.runs] ==
+          [(r.source, r.error) for r in globbed.runs] ==
+          [("runs/my run [1]/checkpoints", None)])
+
+
+def test_a_sources_file_keeps_a_hash_inside_a_path(tmp_path):
+  listing = tmp_path / "sources.txt"
+  listing.write_bytes("\ufeffruns/exp#3/checkpoints\r\n"  # an editor's BOM
+                      "# a comment line\n"
+                      "  runs/b/checkpoints   # a comment after a path\n"
+                      "\n".encode("utf-8"))
+  assert fleet_discovery.read_sources_file(str(listing)) == [
+      "runs/exp#3/checkpoints", "runs/b/checkpoints"]
+
+
+
+def test_classify_decides_for_the_plan(tree):
+  """Flax's `checkpoint_<step>` files are a run of their own kind."""
+  del tree
+  runs, _ = _summary(fleet_discovery.plan_fleet([], ["runs/f/*"]))
+  assert runs == [("runs/f/checkpoints", "flax_training", [], None)]
+
+
+def test_one_bucket_listing_per_glob(gcs, monkeypatch):
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  bucket = gcs.bucket()
+  fs = gcs.fs()
+  for name in ["runs/a/checkpoints/checkpoint",
+               "runs/a/checkpoints/ckpt-1.flax",
+               "runs/m/checkpoints-0/checkpoint",
+               "runs/m/checkpoints-1/checkpoint",
+               "runs/o/checkpoints/notes.txt"]:
+    fs.pipe_file(f"{bucket}/{name}", b"x")
+  backend = storage.filesystem(f"gs://{bucket}")
+  calls = []
+  real = backend.fs
+  for method in ("find", "ls", "glob", "info", "exists", "isdir"):
+    # monkeypatch puts back what was there: gcsfs's own per-instance
+    # methods (removing them would leave fsspec's NotImplementedError ones).
+    original = getattr(real, method)
+
+    def counted(*a, _name=method, _original=original, **k):
+      calls.append(_name)
+      return _original(*a, **k)
+    monkeypatch.setattr(real, method, counted)
+  plan = fleet_discovery.plan_fleet([], [f"gs://{bucket}/runs/*/checkpoints"])
+  monkeypatch.undo()
+  assert calls == ["find"]
+  base = f"gs://{bucket}/runs"
+  assert [(r.source, r.kind, r.hosts) for r in plan.runs] == [
+      (f"{base}/a/checkpoints", "Checkpoint", []),
+      (f"{base}/m/checkpoints", "MultihostCheckpoint",
+       [f"{base}/m/checkpoints-0", f"{base}/m/checkpoints-1"])]
+  assert [(s.path, s.reason.split(" (")[0]) for s in plan.skipped] == [
+      (f"{base}/o/checkpoints", "not a checkpoint directory")]
+
+
+def test_a_recursive_glob_in_a_bucket(gcs):
+  bucket = gcs.bucket()
+  fs = gcs.fs()
+  for name in ["runs/a/checkpoints/checkpoint",
+               "runs/team/x/checkpoints/ckpt-1.flax",
+               "runs/team/y/deep/checkpoints-0/checkpoint",
+               "runs/team/y/deep/checkpoints-1/checkpoint"]:
+    fs.pipe_file(f"{bucket}/{name}", b"x")
+  base = f"gs://{bucket}/runs"
+  plan = fleet_discovery.plan_fleet([], [f"{base}/**/checkpoints"])
+  assert [(r.source, r.kind) for r in plan.runs] == [
+      (f"{base}/a/checkpoints", "Checkpoint"),
+      (f"{base}/team/x/checkpoints", "Checkpoint"),
+      (f"{base}/team/y/deep/checkpoints", "MultihostCheckpoint")]
+  # A host-like directory beside a run (as locally): a run of its own.
+  fs.pipe_file(f"{bucket}/runs/a/checkpoints-0/checkpoint", b"x")
+  plan = fleet_discovery.plan_fleet([], [f"{base}/a/checkpoints-*"])
+  assert [(r.source, r.kind) for r in plan.runs] == [
+      (f"{base}/a/checkpoints-0", "Checkpoint")]
+
+
+# --------------------------------------------------------------------------
+# Destinations and the recorded source root (fleet_assignment).
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pattern, prefix", [
+    ("/runs/*/checkpoints", "/runs"),
+    ("runs/exp?/ckpt", "runs"),
+    ("/runs/a/checkpoints", "/runs/a"),  # no wildcard: its parent
+    ("gs://b/x/run-*/ckpt", "gs://b/x"),
+    ("gs://b/*/ckpt", "gs://b"),
+])
+def test_glob_prefix(pattern, prefix):
+  assert fleet_discovery.glob_prefix(pattern) == prefix
+
+
+def _destinations(sources, root, destination_root="/orbax"):
+  runs = [fleet_discovery.Run(s, "Checkpoint") for s in sources]
+  fleet_assignment.assign_destinations(runs, root, destination_root)
+  return {r.source: r.destination for r in runs}
+
+
+def test_a_destination_depends_on_the_run_alone():
+  fleet = _destinations(["/runs/a/checkpoints", "/runs/b/checkpoints",
+                         "/runs/c/checkpoints"], "/runs")
+  retry = _destinations(["/runs/c/checkpoints"], "/runs")
+  assert fleet["/runs/c/checkpoints"] == retry["/runs/c/checkpoints"] == (
+      "/orbax/c/checkpoints")
+
+
+def test_the_source_root_explicit_recorded_or_from_the_globs():
+  glob = ["/runs/*/checkpoints"]
+  assert fleet_assignment.choose_source_root(None, None, glob) == "/runs"
+  choose = fleet_assignment.choose_source_root
+  assert choose(None, None, glob + ["/more/*/c"]) == "/"
+  assert choose(None, None, glob, ["/runs/x/c"]) == "/runs"
+  # A retry naming one run finds the fleet's root recorded.
+  assert fleet_assignment.choose_source_root(None, "/runs", []) == "/runs"
+  assert choose(None, "/runs", ["/runs/c/*"]) == "/runs"
+  assert fleet_assignment.choose_source_root("/runs/", "/runs", []) == "/runs"
+  with pytest.raises(errors.UsageError, match="mirrors /runs"):
+    fleet_assignment.choose_source_root("/elsewhere", "/runs", [])
+  with pytest.raises(errors.UsageError, match="needs --source-root"):
+    fleet_assignment.choose_source_root(None, None, [])
+
+
+@pytest.mark.parametrize("sources, message", [
+    (["/runs/a", "/runs//a"], "would both migrate into /orbax/a"),
+    (["/runs/a", "/runs/a/inner"], "is inside that of /runs/a"),
+    (["/other/a"], "not inside the source root /runs"),
+    (["/runs"], "not inside the source root /runs"),
+])
+def test_clashing_destinations_are_refused(sources, message):
+  with pytest.raises(errors.UsageError, match=re.escape(message)):
+    _destinations(sources, "/runs")
+
+
+def test_a_destination_root_inside_a_source_is_refused():
+  with pytest.raises(errors.UsageError, match="inside the source /runs/a"):
+    _destinations(["/runs/a"], "/runs", "/runs/a/orbax")
+
+
+def test_the_root_is_recorded_once_and_guards_the_destination(tmp_path):
+  destination = str(tmp_path / "orbax")
+  assert fleet_assignment.read_recorded_root(destination) is None
+  fleet_assignment.record_root(destination, "/runs")
+  # A second shard: the same root.
+  fleet_assignment.record_root(destination, "/runs")
+  assert fleet_assignment.read_recorded_root(destination) == "/runs"
+  with pytest.raises(errors.UsageError, match="mirrors source root /runs"):
+    fleet_assignment.record_root(destination, "/elsewhere")
+  assert fleet_assignment.read_recorded_root(destination) == "/runs"
+
+
+# --------------------------------------------------------------------------
+# Shards (fleet_assignment).
+# --------------------------------------------------------------------------
+
+
+_FLEET = [f"/runs/exp{i}/checkpoints" for i in range(40)]
+
+
+def test_shards_partition_the_fleet():
+  shards = [fleet_assignment.shard_sources(_FLEET, 3, i) for i in range(3)]
+  everything = [s for shard in shards for s in shard]
+  assert sorted(everything) == sorted(_FLEET)  # each in exactly one shard
+  assert all(shards), [len(s) for s in shards]
+
+
+def test_shards_do_not_depend_on_the_order_of_sources():
+  shuffled = list(_FLEET)
+  random.Random(0).shuffle(shuffled)
+  for i in range(3):
+    assert (fleet_assignment.shard_sources(shuffled, 3, i) ==
+            fleet_assignment.shard_sources(_FLEET, 3, i))
+
+
+def test_adding_a_run_moves_no_other_run():
+  before = {s: fleet_assignment.shard_of(s, 3) for s in _FLEET}
+  grown = _FLEET + ["/runs/new/checkpoints"]
+  after = {s: i for i in range(3)
+           for s in fleet_assignment.shard_sources(grown, 3, i)}
+  assert {s: after[s] for s in _FLEET} == before
+
+
+def test_shard_of_is_the_same_on_every_machine():
+  # Pinned values: a per-process hash (Python's `hash`) would change them.
+  assert fleet_assignment.shard_of("/runs/a/checkpoints", 1000) == 437
+  assert fleet_assignment.shard_of("/runs/b/checkpoints", 1000) == 768
+  assert fleet_assignment.shard_of("gs://bucket/x/checkpoints", 1000) == 92
+  assert fleet_assignment.shard_of("/runs/a/checkpoints", 1) == 0
+
+
+@pytest.mark.parametrize("num_shards, index, environ, expected", [
+    (1, None, {}, 0),
+    (1, None, {"JOB_COMPLETION_INDEX": "5"}, 0),  # unsharded: env ignored
+    (3, 2, {}, 2),
+    (3, None, {"JOB_COMPLETION_INDEX": "1"}, 1),
+    (3, 0, {"JOB_COMPLETION_INDEX": "1"}, 0),  # the flag wins
+])
+def test_resolve_shard(num_shards, index, environ, expected):
+  assert fleet_assignment.resolve_shard(num_shards, index, environ) == expected
+
+
+@pytest.mark.parametrize("num_shards, index, environ, message", [
+    (0, None, {}, "--num-shards must be >= 1"),
+    (3, 3, {}, "--shard-index must be in [0, 3)"),
+    (3, -1, {}, "--shard-index must be in [0, 3)"),
+    (1, 1, {}, "--shard-index must be in [0, 1)"),
+    (3, None, {}, "needs --shard-index"),
+    (3, None, {"JOB_COMPLETION_INDEX": "x"}, "is not an integer"),
+    (3, None, {"JOB_COMPLETION_INDEX": "7"}, "--shard-index must be in"),
+])
+def test_resolve_shard_refuses(num_shards, index, environ, message):
+  with pytest.raises(errors.UsageError, match=re.escape(message)):
+    fleet_assignment.resolve_shard(num_shards, index, environ)
+
+
+# --------------------------------------------------------------------------
+# The command line's options (fleet, clu_ckpt.cli, fleet_workers).
+# --------------------------------------------------------------------------
+
+
+def test_every_migrate_option_is_accepted():
+  """From `clu-ckpt migrate`'s own parser: a new option appears here too."""
+  parser, dests = fleet.build_parser()
+  # pylint: disable=protected-access
+  theirs = {o for a in _migrate_subparser()._actions
+            for o in a.option_strings if a.dest not in fleet.NOT_PASSED}
+  ours = {o for a in parser._actions for o in a.option_strings}
+  # pylint: enable=protected-access
+  assert theirs <= ours
+  assert {"allow_other_sources", "state_host", "step_prefix",
+          "step_format_fixed_length", "numbers", "template"} <= set(dests)
+  args = parser.parse_args(fleet.normalize_argv([
+      "--sources=x", "--number=3", "--number", "5", "--state_host=1",
+      "--step-prefix=ckpt", "--step_format_fixed_length=8",
+      "--allow-other-sources", "--max-inflight-mib=0", "--compression=none",
+      "--verify", "--step-naming=number"]))
+  kwargs = fleet_workers.migrate_kwargs(fleet.migrate_options(args, dests))
+  assert kwargs == {
+      "checkpoints": [3, 5], "state_host": 1, "step_prefix": "ckpt",
+      "step_format_fixed_length": 8, "allow_other_sources": True,
+      "inflight_bytes": 2**20, "compression": "none", "verify": True,
+      "step_naming": "number"}
+  latest = parser.parse_args(["--checkpoints=latest"])
+  assert fleet_workers.migrate_kwargs(fleet.migrate_options(latest, dests))[
+      "checkpoints"] == "latest"
+
+
+def test_host_directories_skipped_are_one_line_when_migrating(tree):
+  """A glob matching host directories (`checkpoints-*`) of a big fleet
+  would print a line for every host before the first run: one line says
+  how many (the dry run and the report list each)."""
+  clu_dir(tree, "runs/g/checkpoints-0")
+  plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints-*"])
+  out = io.StringIO()
+  fleet.print_plan(plan, plan.runs, out, dry_run=False)
+  assert out.getvalue().splitlines() == [
+      "skipped 3 host directories of the runs listed (each in the report)"]
+  out = io.StringIO()
+  fleet.print_plan(plan, plan.runs, out, dry_run=True)
+  assert out.getvalue().splitlines()[:3] == [
+      "skipped runs/g/checkpoints-0: host directory of runs/g/checkpoints",
+      "skipped runs/m/checkpoints-0: host directory of runs/m/checkpoints",
+      "skipped runs/m/checkpoints-1: host directory of runs/m/checkpoints"]
+
+
+def test_an_option_the_fleet_cannot_pass_is_refused():
+  with pytest.raises(errors.UsageError, match="--new-flag is not supported"):
+    fleet_workers.migrate_kwargs({"new_flag": True})
+  assert fleet_workers.migrate_kwargs({"new_flag": None})[
+      "checkpoints"] == "all"
+
+
+def test_normalize_argv():
+  assert fleet.normalize_argv(["--destination_root=a_b", "--num_shards", "2",
+                               "x_y", "--", "--a_b"]) == [
+                                   "--destination-root=a_b", "--num-shards",
+                                   "2", "x_y", "--", "--a_b"]
+
+
+# --------------------------------------------------------------------------
+# Reports and progress (fleet_report).
+# --------------------------------------------------------------------------
+
+
+def test_report_directory_is_made_before_any_work(tmp_path):
+  path = tmp_path / "new" / "dir" / "report.json"
+  fleet_report.prepare_report(str(path))
+  assert path.parent.is_dir() and not path.exists()
+  (tmp_path / "file").write_text("")
+  with pytest.raises(errors.UsageError, match="cannot make"):
+    fleet_report.prepare_report(str(tmp_path / "file" / "report.json"))
+
+
+def _entry(source, status="ok", seconds=35.0, steps=(("migrated", 2**30),),
+           error=None):
+  summary = {"steps": [{"status": s, "nbytes": n} for s, n in steps]}
+  return dict(source=source, status=status, seconds=seconds, summary=summary,
+              **({"error": error} if error else {}))
+
+
+class _Clock:
+  """A clock advanced by hand."""
+
+  def __init__(self):
+    self.now = 1000.0
+
+  def __call__(self):
+    return self.now
+
+
+class _Terminal(io.StringIO):
+
+  def isatty(self):
+    return True
+
+
+def test_progress_shows_runs_bytes_failures_and_eta():
+  out, clock = io.StringIO(), _Clock()
+  progress = fleet_report.ProgressPrinter(3, out, clock, total_bytes=4 * 2**30)
+  clock.now += 60
+  progress.run_done(_entry("/runs/a", steps=[("migrated", 2**30)] * 4),
+                    2**30)
+  clock.now += 60
+  progress.run_done(_entry("/runs/b", "failed", 5,
+                           [("skipped", 10), ("migrated", 1500)],
+                           error="ckpt-3: truncated"), 2**30)
+  clock.now += 60
+  progress.run_done({"source": "/runs/c", "status": "error", "seconds": 2,
+                     "error": "worker process died"}, 2 * 2**30)
+  progress.close()
+  assert out.getvalue().splitlines() == [
+      "[1/3] /runs/a ok (4 steps, 4.0 GiB, 35 s); 1.0 GiB of 4.0 GiB, "
+      "0 failures, ETA 3 min",
+      "[2/3] /runs/b failed (2 steps, 1 skipped, 1.5 KiB, 5 s): ckpt-3: "
+      "truncated; 2.0 GiB of 4.0 GiB, 1 failure, ETA 2 min",
+      "[3/3] /runs/c error (2 s): worker process died; 4.0 GiB of 4.0 GiB, "
+      "2 failures, all done in 3 min",
+  ]
+
+
+def test_progress_without_sizes_counts_runs():
+  out, clock = io.StringIO(), _Clock()
+  progress = fleet_report.ProgressPrinter(4, out, clock)
+  clock.now += 30
+  progress.run_done(_entry("/runs/a"))
+  assert out.getvalue() == ("[1/4] /runs/a ok (1 step, 1.0 GiB, 35 s); "
+                            "0 failures, ETA 2 min\n")
+
+
+def test_progress_on_a_terminal_rewrites_one_line():
+  out = _Terminal()
+  progress = fleet_report.ProgressPrinter(3, out, _Clock())
+  progress.run_done(_entry("/runs/a"))
+  progress.run_done(_entry("/runs/b", "error", error="no such directory"))
+  progress.run_done(_entry("/runs/c"))
+  progress.close()
+  lines = out.getvalue().split("\n")
+  # The failed run keeps its own line; the ok ones overwrite each other.
+  assert len(lines) == 3 and lines[-1] == "", lines
+  assert lines[0].startswith("\r\x1b[K[1/3] /runs/a ok")
+  assert "\r\x1b[K[2/3] /runs/b error" in lines[0]
+  assert lines[1].startswith("\r\x1b[K[3/3] /runs/c ok")
+
+
+# --------------------------------------------------------------------------
+# Merging reports (fleet_report).
+# --------------------------------------------------------------------------
+
+
+def _report(root, index, num_shards, sources, created, status="ok",
+            fleet_size=3):
+  return {"created": created, "destination_root": root,
+          "fleet_size": fleet_size, "num_shards": num_shards,
+          "shard_index": index,
+          "runs": [{"source": s, "status": status, "shard": index}
+                   for s in sources]}
+
+
+def test_merge_gives_every_run_with_its_shard():
+  merged = fleet_report.merge_reports([
+      ("r1.json", _report("/o", 1, 2, ["/r/b"], "2024-01-01T00:00:00")),
+      ("r0.json", _report("/o/", 0, 2, ["/r/a", "/r/c"],
+                          "2024-01-01T00:00:05")),
+  ])
+  assert [(r["source"], r["shard"], r["report"]) for r in merged["runs"]] == [
+      ("/r/a", 0, "r0.json"), ("/r/b", 1, "r1.json"), ("/r/c", 0, "r0.json")]
+  assert merged["ok"] and merged["missing_shards"] == []
+  assert merged["counts"] == {"ok": 3, "failed": 0, "error": 0}
+  assert [m["shard_index"] for m in merged["merged_from"]] == [1, 0]
+
+
+def test_merge_lists_missing_shards_and_keeps_the_newest_entry():
+  merged = fleet_report.merge_reports([
+      ("new.json", _report("/o", 0, 3, ["/r/a"], "2024-01-02T00:00:00")),
+      ("old.json", _report("/o", 0, 3, ["/r/a"], "2024-01-01T00:00:00",
+                           status="failed")),
+  ])
+  assert merged["missing_shards"] == [1, 2]
+  assert [(r["status"], r["report"]) for r in merged["runs"]] == [
+      ("ok", "new.json")]
+  assert not merged["ok"]
+
+
+def test_merge_accepts_partial_reports():
+  """A killed shard's report: finished runs count, unfinished ones show."""
+  finished = _report("/o", 0, 1, ["/r/a"], "2024-01-01T00:00:00",
+                     fleet_size=2)
+  partial = dict(_report("/o", 0, 1, ["/r/a"], "2024-01-02T00:00:00",
+                         status="pending", fleet_size=2), complete=False)
+  partial["runs"].append({"source": "/r/b", "status": "interrupted"})
+  partial["skipped"] = [{"path": "/r/e", "reason": "empty directory"}]
+  merged = fleet_report.merge_reports([("old.json", finished),
+                                       ("partial.json", partial)])
+  assert [(r["source"], r["status"]) for r in merged["runs"]] == [
+      ("/r/a", "ok"), ("/r/b", "interrupted")]
+  assert merged["counts"] == {"ok": 1, "failed": 0, "error": 0,
+                              "interrupted": 1}
+  assert not merged["complete"] and not merged["ok"]
+  assert merged["skipped"] == partial["skipped"]
+
+
+def test_merge_refuses_different_destination_roots():
+  with pytest.raises(errors.UsageError, match="different fleets.*r1.json"):
+    fleet_report.merge_reports([
+        ("r0.json", _report("/orbax", 0, 2, ["/r/a"], "t")),
+        ("r1.json", _report("/elsewhere", 1, 2, ["/r/b"], "t")),
+    ])
+
+
+
+def test_a_sources_file_in_a_bucket(gcs):
+  path = f"gs://{gcs.bucket()}/lists/sources.txt"
+  gcs.fs().pipe_file(path[len("gs://"):], b"gs://b/runs/a/checkpoints\n")
+  assert fleet_discovery.read_sources_file(path) == [
+      "gs://b/runs/a/checkpoints"]
+
+
+def test_merging_a_merged_report_keeps_the_missing_shards():
+  """`--merge-reports=all.json /reports/*.json` finds the last all.json too:
+  the shards it holds count as themselves, not as one unsharded report."""
+  shards = [("s0.json", _report("/o", 0, 3, ["/r/a"], "t1")),
+            ("s1.json", _report("/o", 1, 3, ["/r/b"], "t1"))]
+  merged = fleet_report.merge_reports(shards)
+  assert merged["missing_shards"] == [2]
+  again = fleet_report.merge_reports([("all.json", merged)] + shards)
+  assert again["missing_shards"] == [2] and not again["ok"]
+  assert sorted(m["report"] for m in again["merged_from"]) == [
+      "s0.json", "s0.json", "s1.json", "s1.json"]
+  done = fleet_report.merge_reports(
+      [("all.json", merged), ("s2.json", _report("/o", 2, 3, ["/r/c"], "t2"))])
+  assert done["missing_shards"] == [] and done["ok"], done
+
+
+def test_reports_in_a_bucket(gcs):
+  """`--report` and `--merge-reports` on gs:// paths."""
+  root = f"gs://{gcs.bucket()}/reports"
+  fleet_report.prepare_report(f"{root}/shard-0.json")
+  fleet_report.write_report(f"{root}/shard-0.json",
+                            _report("/o", 0, 1, ["/r/a"], "t", fleet_size=1))
+  loaded = fleet_report.load_report(f"{root}/shard-0.json")
+  assert loaded["runs"] == [{"source": "/r/a", "status": "ok", "shard": 0}]
+  with pytest.raises(errors.UsageError, match="cannot read report"):
+    fleet_report.load_report(f"{root}/missing.json")
+
+
+def test_the_fleet_process_imports_no_migration_machinery(tmp_path):
+  """The parent plans, dispatches and reports; its workers migrate. Its
+  start-up delays every worker, so it imports neither NumPy nor Orbax,
+  JAX or TensorFlow (importing `clu_ckpt.migration` imports none of them
+  until a name of it is used)."""
+  make_tree(tmp_path)
+  code = ("import sys\n"
+          "from clu_ckpt.migration import fleet, fleet_discovery\n"
+          "fleet.build_parser()\n"
+          "fleet_discovery.plan_fleet([], ['runs/*/checkpoints'])\n"
+          "print(sorted(m for m in ('numpy', 'jax', 'orbax', 'tensorflow')\n"
+          "             if m in sys.modules))\n")
+  done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                        capture_output=True, text=True, check=True)
+  assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_merge_reports_makes_the_directory_of_its_output(tmp_path):
+  shard = tmp_path / "shard-0.json"
+  fleet_report.write_report(str(shard), _report("/o", 0, 1, ["/r/a"], "t",
+                                                fleet_size=1))
+  out = tmp_path / "new" / "dir" / "all.json"
+  parser, _ = fleet.build_parser()
+  args = parser.parse_args([f"--merge-reports={out}", str(shard)])
+  assert fleet.run_merge(args) == 0
+  assert fleet_report.load_report(str(out))["ok"]
+  (tmp_path / "file").write_text("")
+  args = parser.parse_args([f"--merge-reports={tmp_path}/file/all.json",
+                            str(shard)])
+  with pytest.raises(errors.UsageError, match="--merge-reports .*cannot make"):
+    fleet.run_merge(args)
+
+
+def test_a_report_reads_back_with_a_run_a_line(tmp_path):
+  report = dict(_report("/o", 0, 1, ["/r/a", "/r/b"], "t"),
+                skipped=[{"path": "/r/e", "reason": "empty directory"}],
+                counts={"ok": 2}, empty=[])
+  for durable in (True, False):
+    path = tmp_path / f"report-{durable}.json"
+    fleet_report.write_report(str(path), report, durable=durable)
+    assert json.loads(path.read_text()) == report
+    lines = path.read_text().splitlines()
+    assert '  {"source": "/r/a", "status": "ok", "shard": 0},' in lines
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_the_report_writer_bounds_the_time_it_takes():
+  """A rewrite taking 1 s: the next waits 10 s (10 x its duration), then
+  goes out at the next update or idle tick; the final one always."""
+  now = [0.0]
+  writes = []
+
+  def write(path, report, durable):
+    writes.append((now[0], report["n"], durable))
+    now[0] += 1.0  # each write takes a second
+
+  state = {"n": 0}
+  writer = fleet_report.ReportWriter("r.json", lambda: dict(state),
+                                     clock=lambda: now[0], write=write)
+  writer.update()                      # at 0: written, until 1; next at 11
+  state["n"] = 1
+  now[0] = 5.0
+  writer.update()                      # too soon: not written
+  writer.flush_due()
+  assert writes == [(0.0, 0, False)]
+  now[0] = 11.0
+  writer.flush_due()                   # the idle tick after the pause
+  assert writes[-1] == (11.0, 1, False)
+  writer.flush_due()                   # nothing changed: nothing written
+  writer.close({"n": 2})
+  assert writes == [(0.0, 0, False), (11.0, 1, False), (12.0, 2, True)]
