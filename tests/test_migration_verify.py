@@ -1,6 +1,9 @@
 """Tests for clu_ckpt.migration.verify: a step against its source, hosts
 against each other, as `migrate` uses them."""
 
+import copy
+import dataclasses
+import re
 import shutil
 import struct
 
@@ -28,7 +31,9 @@ def test_multihost_hosts_that_differ_need_a_choice(tmp_path):
   summary = migration.migrate(str(base), str(tmp_path / "dst"))
   assert not summary.ok
   error = summary.steps[0].error
-  assert "hosts 0 and 1" in error and "/params" in error
+  assert "hosts 0 and 1" in error
+  assert re.search(r"\(first difference at /params/\w+: \S+/ckpts-0/ckpt-1.flax "
+                   r"vs \S+/ckpts-1/ckpt-1.flax\)", error), error
   assert "--state-host" in error
   with ocp.CheckpointManager(tmp_path / "dst") as mngr:
     assert list(mngr.all_steps()) == []
@@ -153,6 +158,58 @@ def test_verify_step_compares_the_dataset(migrated_special, tmp_path):
     verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
 
 
+def test_verify_step_names_a_leaf_missing_from_the_step(migrated_special,
+                                                       tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  _rewrite_source(tmp_path, lambda state: state.update(momentum=0.5))
+  with pytest.raises(errors.VerificationError,
+                     match="does not hold the same leaves as .*: /momentum$"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+
+
+def test_verify_step_of_a_step_orbax_does_not_list(migrated_special, tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  with pytest.raises(errors.VerificationError,
+                     match=f"Orbax does not list step {max(steps) + 1} in "):
+    verify.verify_step(str(tmp_path / "dst"), max(steps) + 1, first, host=0)
+
+
+def test_verify_step_of_a_step_that_cannot_be_read_back(migrated_special,
+                                                       tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  for chunk in (tmp_path / "dst" / str(steps[0]) / "state").glob("**/d/*"):
+    chunk.unlink()
+  with pytest.raises(errors.VerificationError) as raised:
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+  cause = raised.value.__cause__
+  assert cause is not None
+  first_line = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+  assert str(raised.value) == (
+      f"verify: step {steps[0]} cannot be read back: {first_line}")
+
+
+def test_verify_step_notices_a_dataset_the_source_lacks(migrated_special,
+                                                        tmp_path):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  for suffix in (".index", ".data-00000-of-00001"):
+    (tmp_path / "src" / f"ckpt-1{suffix}").unlink()
+  with pytest.raises(errors.VerificationError,
+                     match=f"step {steps[0]} has an unexpected dataset"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+
+
+def test_verify_step_notices_a_host_missing_from_the_dataset(migrated_special,
+                                                             tmp_path):
+  # The source as two hosts (the second one's TensorFlow files those of
+  # checkpoint 2); the step holds one host's iterator only.
+  first, second, steps = _copy_migrated(migrated_special, tmp_path)
+  two_hosts = dataclasses.replace(
+      first, prefixes={0: first.prefixes[0], 1: second.prefixes[0]})
+  with pytest.raises(errors.VerificationError,
+                     match="dataset/process_1 differs"):
+    verify.verify_step(str(tmp_path / "dst"), steps[0], two_hosts, host=0)
+
+
 def test_verify_step_notices_extra_leaves_in_the_step(migrated_special,
                                                       tmp_path):
   first, _, steps = _copy_migrated(migrated_special, tmp_path)
@@ -175,3 +232,40 @@ def test_same_leaf_is_bit_exact():
   assert not verify.same_leaf([0.0], [-0.0])
   assert not verify.same_leaf([0.0], [0.0, 0.0])
   assert not verify.same_leaf({"a": 1, "b": 2}, {"b": 2, "a": 1})
+
+
+def test_hosts_files_are_the_same_bytes_only_when_every_byte_is(
+    tmp_path, monkeypatch):
+  # The byte comparison that lets two hosts' `.flax` files skip decoding:
+  # a size difference, or one bit anywhere (first byte, a later block, a
+  # float64's sign), makes them different.
+  monkeypatch.setattr(verify, "_COMPARE_BLOCK", 16)
+  data = bytes(range(64))
+  a = tmp_path / "a"
+  a.write_bytes(data)
+  b = tmp_path / "b"
+  b.write_bytes(data)
+  assert verify._same_bytes(str(a), str(b))
+  changes = [data + b"\0", bytes([1]) + data[1:], data[:63] + bytes([0]),
+             bytes(8) + bytes([0] * 7 + [0x80]) + data[16:]]
+  for first, second in [(data, changes[0]), (data, changes[1]),
+                        (data, changes[2]),
+                        (bytes(16) + data[16:], changes[3])]:
+    a.write_bytes(first)
+    b.write_bytes(second)
+    assert not verify._same_bytes(str(a), str(b)), second
+
+
+def test_same_leaf_says_same_only_of_equal_leaves():
+  # Equal leaves of every kind are the same; one differing bit or value in
+  # them is not.
+  for x, y in [(complex(1.5, -2.0), complex(1.5, -2.5)),
+               ([1.0, np.float32(2)], [1.0, np.float32(3)]),
+               ((1, "a"), (1, "b")),
+               ({"a": [1.0], "b": 2}, {"a": [1.5], "b": 2}),
+               (7, 8), ("s", "t"), (b"x", b"y"), (True, False),
+               (np.arange(6, dtype=np.int32).reshape(2, 3),
+                np.arange(1, 7, dtype=np.int32).reshape(2, 3))]:
+    assert verify.same_leaf(x, copy.deepcopy(x)), x
+    assert not verify.same_leaf(x, y), (x, y)
+  assert verify.same_leaf(None, None)

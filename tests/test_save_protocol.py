@@ -211,7 +211,8 @@ def test_failed_commit_after_the_commit_keeps_the_checkpoint(tmp_path):
   got = save_protocol.failed_commit(
       tf_checkpoint, str(tmp_path), f"{tmp_path}/ckpt-3", 2, error,
       reread=lambda: None)
-  assert "ckpt-3 was committed, but removing older" in str(got)
+  assert f"Checkpoint {tmp_path}/ckpt-3 was committed, but removing older " \
+         "checkpoints failed" in str(got)
   assert int(tf_checkpoint.save_counter.numpy()) == 3
   assert _names(tmp_path) == before
 
@@ -225,7 +226,8 @@ def test_failed_commit_with_an_unreadable_state_file_touches_nothing(
   got = save_protocol.failed_commit(
       tf_checkpoint, str(tmp_path), f"{tmp_path}/ckpt-3", 2,
       OSError(errno.EIO, "Input/output error"), reread=lambda: None)
-  assert f"nor read {tmp_path}/checkpoint" in str(got)
+  assert f"Could not write checkpoint {tmp_path}/ckpt-3, nor read " \
+         f"{tmp_path}/checkpoint to tell whether it was committed" in str(got)
   assert int(tf_checkpoint.save_counter.numpy()) == 3
   assert _names(tmp_path) == before
 

@@ -10,6 +10,8 @@ process with a timeout, the `run_child` fixture, so that a regression fails
 instead of hanging).
 """
 
+import errno
+import logging
 import os
 import pathlib
 import random
@@ -32,6 +34,7 @@ from tensorflow.python.checkpoint import checkpoint_management
 
 from clu_ckpt import errors
 from clu_ckpt import layout
+from clu_ckpt import local_fs
 from clu_ckpt import state_file
 from clu_ckpt import storage
 
@@ -579,6 +582,107 @@ def test_size_and_entry_limits(tmp_path, monkeypatch):
   write_state(tmp_path, 'model_checkpoint_path: "a"\n' * 100_000)
   assert state_file.read_checkpoint_state(str(tmp_path)).model_checkpoint_path == (
       f"{tmp_path}/a")  # singular fields do not count
+
+
+def _failing_reads(monkeypatch, error: Exception) -> None:
+  """The local back end's reads raise `error` (stat and checks still work)."""
+  def read_bytes(self, path, offset=0, length=None):
+    raise error
+  monkeypatch.setattr(local_fs.LocalFileSystem, "read_bytes", read_bytes)
+
+
+class OpError(Exception):
+  """Named as TensorFlow's I/O errors are (they are not OSErrors)."""
+
+
+def test_a_state_file_that_cannot_be_read(tmp_path, monkeypatch, caplog):
+  # I/O errors (OSError, or TensorFlow's OpError by name) make the file
+  # unusable: None with a warning naming it, or with `strict` an error
+  # naming it, caused by the I/O error. Any other error is a bug: raised.
+  write_state(tmp_path, state_text(["ckpt-1"], [1.0], None))
+  path = str(tmp_path / "checkpoint")
+  for error in (OSError(errno.EIO, "Input/output error", path),
+                OpError("the device is gone")):
+    _failing_reads(monkeypatch, error)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      assert state_file.read_checkpoint_state(str(tmp_path)) is None
+    assert f"{path}: cannot read: {error}; checkpoint state ignored" in (
+        caplog.text)
+    with pytest.raises(storage.CheckpointStateError) as raised:
+      state_file.read_checkpoint_state(str(tmp_path), strict=True)
+    assert raised.value.path == path
+    assert raised.value.problem == f"cannot read: {error}"
+    assert raised.value.__cause__ is error
+  _failing_reads(monkeypatch, RuntimeError("a bug in a back end"))
+  for strict in (False, True):
+    with pytest.raises(RuntimeError, match="a bug in a back end"):
+      state_file.read_checkpoint_state(str(tmp_path), strict=strict)
+
+
+def test_the_read_is_bounded_by_the_size_limit(tmp_path, monkeypatch):
+  # The limit is exact (a file of the limit's size is read whole: its last
+  # byte closes a string), one byte more is asked for, and a file that grew
+  # past the limit between its stat and its read is refused, naming it.
+  text = 'model_checkpoint_path: "ckpt-1"'
+  write_state(tmp_path, text)
+  path = str(tmp_path / "checkpoint")
+  monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", len(text))
+  asked = []
+  read_bytes = local_fs.LocalFileSystem.read_bytes
+
+  def recorded(self, p, offset=0, length=None):
+    asked.append((offset, length))
+    return read_bytes(self, p, offset, length)
+
+  monkeypatch.setattr(local_fs.LocalFileSystem, "read_bytes", recorded)
+  state = state_file.read_checkpoint_state(str(tmp_path), strict=True)
+  assert state.model_checkpoint_path == f"{tmp_path}/ckpt-1"
+  assert asked == [(0, len(text) + 1)]
+  write_state(tmp_path, text + "\n" * 10)
+  monkeypatch.setattr(local_fs.LocalFileSystem, "stat",
+                      lambda self, p: (len(text), 0.0))  # stat before growth
+  for strict in (False, True):
+    with pytest.raises(storage.CheckpointStateError) as raised:
+      state_file.read_checkpoint_state(str(tmp_path), strict=strict)
+    assert raised.value.path == path
+    assert raised.value.problem == (
+        f"over the limit of {len(text)} bytes "
+        "(state_file.MAX_STATE_FILE_BYTES)")
+
+
+def test_refusals_name_the_state_file(tmp_path, monkeypatch):
+  path = str(tmp_path / "checkpoint")
+  write_state(tmp_path, state_text(["a", "b", "c"], None, None))
+  monkeypatch.setattr(state_file, "MAX_STATE_ENTRIES", 2)
+  with pytest.raises(storage.CheckpointStateError) as raised:
+    state_file.read_checkpoint_state(str(tmp_path))
+  assert raised.value.path == path
+  assert raised.value.problem == (
+      "more than 2 paths and timestamps (state_file.MAX_STATE_ENTRIES)")
+  monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", 10)
+  with pytest.raises(storage.CheckpointStateError) as raised:
+    state_file.read_checkpoint_state(str(tmp_path))
+  assert raised.value.path == path
+  size = (tmp_path / "checkpoint").stat().st_size
+  assert raised.value.problem == (
+      f"{size} bytes, over the limit of 10 (state_file.MAX_STATE_FILE_BYTES)")
+  monkeypatch.setattr(state_file, "MAX_STATE_FILE_BYTES", 2**20)
+  write_state(tmp_path, "all_model_checkpoint_paths: 'a'\n")
+  with pytest.raises(storage.CheckpointStateError) as raised:
+    state_file.read_checkpoint_state(str(tmp_path))
+  assert raised.value.path == path
+  assert raised.value.problem == (
+      f"Invalid checkpoint state loaded from {tmp_path}: "
+      "no model_checkpoint_path")
+
+
+def test_a_directory_named_with_a_trailing_slash(tmp_path):
+  write_state(tmp_path, state_text(["ckpt-1", "ckpt-2"], None, None))
+  state = state_file.read_checkpoint_state(f"{tmp_path}/")
+  assert state.model_checkpoint_path == f"{tmp_path}/ckpt-2"
+  assert state.all_model_checkpoint_paths == [
+      f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2"]
 
 
 # ---------------------------------------------------------------------------
