@@ -116,9 +116,14 @@ def test_staged_arrays_restore_bit_exactly_through_stock_orbax(
                               compression=compression,
                               inflight_bytes=3 * _MIB, verify=True)
   assert summary.ok, summary.failed
-  assert sum(s.staged_bytes for s in seen) == sum(v.nbytes for v in unaligned)
-  assert sum(s.allocated_bytes for s in seen) < sum(
-      s.staged_bytes for s in seen)
+  if compression == "zstd":
+    # TensorStore compresses from the array as it is: no staging copy.
+    assert not seen
+  else:
+    assert sum(s.staged_bytes for s in seen) == sum(
+        v.nbytes for v in unaligned)
+    assert sum(s.allocated_bytes for s in seen) < sum(
+        s.staged_bytes for s in seen)
   want = _arrays(flax.serialization.msgpack_restore(flax_file.read_bytes()))
   with ocp.CheckpointManager(str(tmp_path / "dst")) as mngr:
     got = _arrays(mngr.restore(3, args=ocp.args.Composite(

@@ -344,7 +344,8 @@ class OrbaxTarget(Target):
                      ocp.handlers.PyTreeCheckpointHandler)(
                          use_compression=self.use_compression,
                          type_handler_registry=_type_handlers(
-                             self.inflight_bytes, on_bytes))
+                             self.inflight_bytes, on_bytes,
+                             stage=not self.use_compression))
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(STATE_ITEM, ocp.args.PyTreeSave, state_handler)
     registry.add(DATASET_ITEM, ocp.args.PyTreeSave,
@@ -713,8 +714,10 @@ def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
   return method
 
 
-def _type_handlers(inflight_bytes: int, on_bytes: Callable[[int], None]):
-  """Orbax's standard type handlers, numpy arrays written in bounded slices."""
+def _type_handlers(inflight_bytes: int, on_bytes: Callable[[int], None],
+                   stage: bool = True):
+  """Orbax's standard type handlers, numpy arrays written in bounded slices
+  (unaligned ones staged first when `stage`: see `_bounded_numpy_handler`)."""
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   th = ocp.type_handlers
@@ -722,7 +725,7 @@ def _type_handlers(inflight_bytes: int, on_bytes: Callable[[int], None]):
       (int, th.ScalarHandler()),
       (float, th.ScalarHandler()),
       (np.number, th.ScalarHandler()),
-      (np.ndarray, _bounded_numpy_handler(inflight_bytes, on_bytes)),
+      (np.ndarray, _bounded_numpy_handler(inflight_bytes, on_bytes, stage)),
       (jax.Array, th.get_type_handler(jax.Array)),
       (str, th.StringHandler()),
   )
@@ -736,7 +739,8 @@ def staging_bytes(inflight_bytes: int) -> int:
 
 
 def _bounded_numpy_handler(inflight_bytes: int,
-                           on_bytes: Callable[[int], None]):
+                           on_bytes: Callable[[int], None],
+                           stage: bool = True):
   """A `NumpyHandler` that hands TensorStore a bounded number of bytes.
 
   Orbax's handler deep-copies every array, then gives all of them to
@@ -745,13 +749,20 @@ def _bounded_numpy_handler(inflight_bytes: int,
   (memory-mapped) arrays themselves, starting another only while less than
   `inflight_bytes` are being written; an unaligned one (which TensorStore
   would copy into a fresh allocation) is copied into a reused aligned buffer
-  first (`memory.AlignedStaging`, at most `staging_bytes(inflight_bytes)`). The files are the same (the type name
-  is the same), so stock Orbax restores them.
+  first (`memory.AlignedStaging`, at most `staging_bytes(inflight_bytes)`),
+  when `stage`: the migration stages for uncompressed writes only. With zstd
+  TensorStore compresses from the array as it is, and the staging copy only
+  added work: a 2 GiB migration's whole process took 12.09 s staged against
+  11.09 s unstaged (0.75 against 0.82 of the copy limit), while without
+  compression staging took 10.59 s against 11.60 s (0.93 against 0.85), in
+  one quiet run of `bench_migration.py --size_gib 2 --runs 3`. The files are
+  the same (the type name is the same), so stock Orbax restores them.
 
   Args:
     inflight_bytes: Bytes of arrays being written at once (an array larger
       than this is written alone).
     on_bytes: Called with an array's byte count once it is written.
+    stage: Whether unaligned arrays are copied into aligned buffers first.
 
   Returns:
     The handler.
@@ -768,13 +779,14 @@ def _bounded_numpy_handler(inflight_bytes: int,
       write_all = super()._background_serialize
       budget = memory.ByteBudget(inflight_bytes)
       trim = memory.MemoryTrimmer(inflight_bytes)
-      staging = memory.AlignedStaging(staging_bytes(inflight_bytes))
+      staging = (memory.AlignedStaging(staging_bytes(inflight_bytes))
+                 if stage else None)
 
       async def write(value, info, arg):
         try:
           # An unaligned view of the map would be copied by TensorStore
           # into a fresh allocation; into a reused one here.
-          staged = await staging.stage(value)
+          staged = value if staging is None else await staging.stage(value)
           await write_all([staged], [info], [arg])
           del staged
         finally:
