@@ -27,7 +27,7 @@ Every `clu-ckpt migrate` option (`--latest`, `--number`, `--step-naming`,
 `--state-host`, `--compression`, `--verify`, `--max-inflight-mib`,
 `--step-prefix`, `--step-format-fixed-length`, `--allow-other-sources`,
 `--template`) is accepted and applied to every run: both commands take
-them from `clu_ckpt.cli.add_migrate_options`, their one definition. Flags
+them from `clu_ckpt.migration.options.add_migrate_options`, their one definition. Flags
 are spelled with hyphens; the underscored spellings (`--destination_root`)
 are accepted too.
 
@@ -212,11 +212,11 @@ def build_parser(prog: str = PROG
                      help="same as --all / --latest")
   parser.add_argument("reports", nargs="*", metavar="REPORT",
                       help="with --merge-reports: the reports to merge")
-  from clu_ckpt import cli  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import options  # pylint: disable=g-import-not-at-top
   group = parser.add_argument_group(
       "clu-ckpt migrate options (applied to every run; see `clu-ckpt "
       "migrate --help`)")
-  dests = cli.add_migrate_options(group, exclude=NOT_PASSED)
+  dests = options.add_migrate_options(group, exclude=NOT_PASSED)
   return parser, dests
 
 
@@ -311,8 +311,8 @@ class _Shard:
       raise UsageError("--destination-root is required")
     migrate_kwargs(self.options)  # unknown options: refused now
     if self.options.get("template") is not None:
-      from clu_ckpt import cli  # pylint: disable=g-import-not-at-top
-      if not cli.TEMPLATE_SPEC.match(self.options["template"]):
+      from clu_ckpt.migration import options  # pylint: disable=g-import-not-at-top
+      if not options.TEMPLATE_SPEC.match(self.options["template"]):
         raise UsageError(f"--template {self.options['template']!r}: "
                          "expected MODULE:FUNCTION")
     sources = [s for group in args.sources for s in group.split(",") if s]

@@ -134,9 +134,9 @@ class _Worker:
     if spec is None:
       return None
     if not self._template_loaded:
-      from clu_ckpt import cli  # pylint: disable=g-import-not-at-top
+      from clu_ckpt.migration import options  # pylint: disable=g-import-not-at-top
       try:
-        self._template = cli.load_template(spec)
+        self._template = options.load_template(spec)
       except Exception as e:  # pylint: disable=broad-except
         self._template_error = str(e)
       self._template_loaded = True
