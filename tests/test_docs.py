@@ -185,6 +185,25 @@ def _anchor(heading: str) -> str:
   return text.replace(" ", "-")
 
 
+def test_no_file_holds_merge_conflict_markers():
+  """A merge resolved by committing both sides leaves markers that neither
+  Python (in a docstring) nor Markdown refuses."""
+  tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True,
+                           text=True, check=False).stdout.split()
+  if not tracked:
+    pytest.skip("not a git checkout")
+  marker = re.compile(r"^(<<<<<<< |>>>>>>> |=======$)", re.M)
+  found = []
+  for name in tracked:
+    path = REPO / name
+    if path.suffix not in (".py", ".md", ".cfg", ".ini", ".toml", ".txt"):
+      continue
+    text = path.read_text(errors="replace")
+    found += [f"{name}:{text.count(chr(10), 0, m.start()) + 1}"
+              for m in marker.finditer(text)]
+  assert not found, found
+
+
 @pytest.mark.parametrize("doc", DOCS + ("CHANGELOG.md", "docs/FIGURES.md",
                                         "benchmarks/README.md"))
 def test_relative_links_reach_a_file_and_heading(doc):
