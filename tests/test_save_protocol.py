@@ -156,6 +156,28 @@ def test_future_checkpoints_from_zero_remove_the_state_file(tmp_path):
   assert manager.latest_checkpoint is None
 
 
+def test_an_unmanaged_current_checkpoint_stays_listed(tmp_path):
+  """Checkpoints older than the state file's last_preserved_timestamp (a
+  clock ahead of this one) are listed but not managed: when the future ones
+  leave, the current one must stay the listed latest, at its own path."""
+  _setup(tmp_path, saves=3)
+  state_file = tmp_path / "checkpoint"
+  lines = [l for l in state_file.read_text().splitlines()
+           if not l.startswith("last_preserved_timestamp")]
+  lines.append("last_preserved_timestamp: 9999999999.0")
+  state_file.write_text("\n".join(lines) + "\n")
+  manager = tf_manager.new_manager(tf.train.Checkpoint(v=tf.Variable(1)),
+                                   str(tmp_path), max_to_keep=5,
+                                   checkpoint_name="ckpt")
+  assert manager.checkpoints == []  # nothing managed
+  save_protocol.delete_future_checkpoints(manager, str(tmp_path), "ckpt", 1)
+  state = layout.read_checkpoint_state(str(tmp_path))
+  assert state.model_checkpoint_path == f"{tmp_path}/ckpt-1"
+  assert state.all_model_checkpoint_paths == [f"{tmp_path}/ckpt-1"]
+  assert _names(tmp_path) == {"checkpoint"} | _files_of(1)
+  assert tf.train.latest_checkpoint(str(tmp_path)) == f"{tmp_path}/ckpt-1"
+
+
 def test_no_future_checkpoints_leaves_everything(tmp_path):
   _, manager = _setup(tmp_path, saves=2)
   before = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
