@@ -241,7 +241,9 @@ def _newest_of_migrated_and_clu(path: str, found: list[str],
   step_dir = storage.join(path, str(steps[-1]))
   number = (orbax_read.migration_metadata(step_dir) or {}).get(
       "clu_checkpoint_number")
-  orbax_time, clu_time = _commit_time(step_dir), _clu_save_time(latest)
+  orbax_time = _commit_time(step_dir)
+  clu_time = _clu_save_time(latest, [layout.normpath(path), *layout.
+                                     host_directories(path).values()])
   if orbax_time is not None and clu_time is not None and (
       abs(orbax_time - clu_time) > 1e-3):
     newer = clu_time > orbax_time
@@ -266,10 +268,17 @@ def _commit_time(step_dir: str) -> Optional[float]:
   return stamp / 1e9 if isinstance(stamp, (int, float)) and stamp else None
 
 
-def _clu_save_time(checkpoint: str) -> Optional[float]:
+def _clu_save_time(checkpoint: str,
+                   directories: Sequence[str]) -> Optional[float]:
   """When a CLU checkpoint was saved, as its directory's `checkpoint` file
-  records it; None when it does not."""
-  directory, name = checkpoint.rsplit("/", 1)
+  records it; None when it does not, or when the checkpoint lies outside
+  `directories` (a state file naming a checkpoint elsewhere does not make
+  this read another directory's state file)."""
+  directory = next((d for d in directories
+                    if layout.is_contained(d, checkpoint)), None)
+  if directory is None:
+    return None
+  name = checkpoint.rstrip("/").rsplit("/", 1)[-1]
   state = layout.read_checkpoint_state(directory)
   if state is None:
     return None
