@@ -515,7 +515,9 @@ class _Writer:
     dataset, tf_state = plan.dataset_tree(ckpt)
     # A bucket's arrays are fetched as the writer reaches them (the next
     # ones' download overlapping the current upload) by Orbax's own target,
-    # whose writer advises each array before writing it.
+    # whose writer advises each array before writing it. Exactly that class:
+    # a subclass (as the docstring shows) may read the items itself first,
+    # and would then read a bucket's arrays before they are fetched.
     streamed = type(self.target) is orbax_target.OrbaxTarget
     state, encodings = codec.encode_state(
         handle.streaming_tree() if streamed else handle.tree)
