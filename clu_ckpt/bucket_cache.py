@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import re
 from typing import Any, Callable, Iterator, Optional
 
 from clu_ckpt import errors
@@ -110,8 +111,9 @@ class _Objects:
 
   def __init__(self, limit: int, under: str, but_not: str):
     self.limit = limit
-    # No "/": a multi-host run's directories `<base>-<host>` are included.
-    self.under = under.rstrip("/")
+    # `under` itself, and a multi-host run's `<under>-<host>/` directories;
+    # not a sibling that merely starts with its name (`<under>2/`).
+    self.under = re.compile(re.escape(under.rstrip("/")) + r"(?:-[0-9]+)?/")
     self.but_not = but_not.rstrip("/") + "/" if but_not else ""
     self.held = 0
     self._items: "collections.OrderedDict[str, tuple[dict, bytes]]" = (
@@ -155,7 +157,7 @@ def keep_object(key: str, info: dict, data: bytes) -> None:
 def caching_objects(key: str) -> bool:
   """Whether an `object_cache` block keeps the object `key` (its URL)."""
   objects = _OBJECTS.get()
-  return objects is not None and key.startswith(objects.under) and not (
+  return objects is not None and objects.under.match(key) is not None and not (
       objects.but_not and key.startswith(objects.but_not))
 
 

@@ -457,3 +457,18 @@ def test_a_failed_fetch_of_a_streamed_array_fails_the_step(proxy, tmp_path,
       failed.error), failed.error
   from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
   assert orbax_root.list_steps(str(dst))[0] == []
+
+
+def test_object_cache_prefix_is_the_run_and_its_hosts_not_siblings():
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  with bucket_cache.object_cache("gs://b/run", but_not="gs://b/run/orbax"):
+    kept = {key: bucket_cache.caching_objects(key) for key in (
+        "gs://b/run/ckpt-1.index", "gs://b/run-1/ckpt-1.index",
+        "gs://b/run2/ckpt-1.index", "gs://b/run_old/ckpt-1.index",
+        "gs://b/run-x/ckpt-1.index", "gs://b/run/orbax/lock")}
+  assert kept == {"gs://b/run/ckpt-1.index": True,
+                  "gs://b/run-1/ckpt-1.index": True,
+                  "gs://b/run2/ckpt-1.index": False,
+                  "gs://b/run_old/ckpt-1.index": False,
+                  "gs://b/run-x/ckpt-1.index": False,
+                  "gs://b/run/orbax/lock": False}
