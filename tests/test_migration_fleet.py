@@ -791,3 +791,24 @@ def test_the_report_writer_bounds_the_time_it_takes():
   writer.flush_due()                   # nothing changed: nothing written
   writer.close({"n": 2})
   assert writes == [(0.0, 0, False), (11.0, 1, False), (12.0, 2, True)]
+
+
+def test_a_run_whose_checkpoints_are_not_on_every_host_says_so(tmp_path):
+  """A checkpoint some host lacks is not migrated (as MultihostCheckpoint
+  would not restore it): the entry says which; and a run where no
+  checkpoint is on every host is not "ok" with nothing migrated."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  state = lambda step: {"step": step, "w": np.full(3, step, np.float32)}
+  multihost_save(tmp_path / "a", [[state(1), state(2)], [state(1)]])
+  worker = fleet_workers._Worker()  # pylint: disable=protected-access
+  entry = worker.migrate({"source": str(tmp_path / "a"),
+                          "destination": str(tmp_path / "out_a")}, {})
+  assert entry["status"] == "ok", entry
+  assert entry["warning"] == "not on every host, not migrated: ckpt-2"
+  multihost_save(tmp_path / "b", [[state(1)], []])
+  (tmp_path / "b-1").mkdir(exist_ok=True)
+  entry = worker.migrate({"source": str(tmp_path / "b"),
+                          "destination": str(tmp_path / "out_b")}, {})
+  assert entry["status"] == "failed", entry
+  assert "ckpt-1" in entry["error"] and "not on every host" in entry["error"]

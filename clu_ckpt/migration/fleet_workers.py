@@ -173,7 +173,15 @@ class _Worker:
       entry.update(status="error", error=migration.describe_error(e))
     else:
       entry["summary"] = summary.to_json()
-      if summary.ok:
+      lacking = list(summary.not_on_all_hosts)
+      if lacking:
+        entry["warning"] = (f"not on every host, not migrated: "
+                            f"{', '.join(f'ckpt-{n}' for n in lacking)}")
+      if summary.ok and lacking and not summary.steps:
+        # Checkpoints are there, but none on every host: nothing migrated,
+        # which an operator must not read as a run done.
+        entry.update(status="failed", error=entry["warning"])
+      elif summary.ok:
         entry["status"] = "ok"
       else:
         entry.update(status="failed", error="; ".join(
