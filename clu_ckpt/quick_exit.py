@@ -20,7 +20,7 @@ run), which Python never promises at exit either; the migration closes its
 files and flushes its writes before it returns, so nothing depends on it.
 
 It is for processes that end when the command does (the `clu-ckpt migrate`
-command, a fleet worker): a library call (`migration.migrate`) does not call
+command): a library call (`migration.migrate`) does not call
 it, so an application's own shutdown is left as it is.
 
 Synopsis::

@@ -74,6 +74,17 @@ def test_the_pool_keeps_at_most_its_limit():
     assert arr.tobytes() == _unaligned(3 * _MIB, seed=seed).tobytes()
 
 
+def test_an_array_larger_than_the_pool_leaves_the_pool_as_it_was():
+  staging = memory.AlignedStaging(8 * _MIB)
+  first = _stage(staging, _unaligned(3 * _MIB))
+  del first
+  _stage(staging, _unaligned(10 * _MIB, seed=1))  # over the limit
+  assert [b.nbytes for b in staging._pool] == [4 * _MIB]
+  before = staging.allocated_bytes
+  _stage(staging, _unaligned(3 * _MIB, seed=2))  # reuses the 4 MiB buffer
+  assert staging.allocated_bytes == before
+
+
 def test_staging_bytes_follow_the_window():
   assert orbax_target.staging_bytes(128 * _MIB) == 192 * _MIB
 

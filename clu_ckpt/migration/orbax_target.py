@@ -5,10 +5,9 @@ step atomically (reporting bytes), remove what an interrupted write left,
 read a step's metadata, restore a step's items. `OrbaxTarget` is the one
 implementation: an Orbax `CheckpointManager` root, written through Orbax's
 own handlers, with a bounded numpy handler (a byte budget, a read-ahead of
-memory-mapped arrays, aligned copies of unaligned ones in reused buffers and
-a heap trimmer; see `memory`) so memory stays small whatever the checkpoint
-size, and TensorStore is not made to allocate a fresh copy of most arrays
-(11 % of a 2 GiB zstd migration's CPU time before).
+memory-mapped arrays, for uncompressed writes aligned copies of unaligned
+ones in reused buffers, and a heap trimmer; see `memory`) so memory stays
+small whatever the checkpoint size.
 
 Writing needs orbax-checkpoint >= `MIN_ORBAX_VERSION`: `require_orbax`
 (called by `migrate` before it reads or writes anything, and by
