@@ -812,3 +812,10 @@ def test_a_run_whose_checkpoints_are_not_on_every_host_says_so(tmp_path):
                           "destination": str(tmp_path / "out_b")}, {})
   assert entry["status"] == "failed", entry
   assert "ckpt-1" in entry["error"] and "not on every host" in entry["error"]
+
+
+def test_a_merge_missing_a_shard_is_not_complete():
+  merged = fleet_report.merge_reports([
+      ("s0.json", dict(_report("/o", 0, 2, ["/r/a"], "t1"), complete=True))])
+  assert merged["missing_shards"] == [1]
+  assert not merged["complete"] and not merged["ok"]

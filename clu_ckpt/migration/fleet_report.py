@@ -416,7 +416,8 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
       "merged_from": merged_from,
       "fleet_size": fleet_size,
       "missing_shards": missing,
-      "complete": all(r.get("complete", True) for _, r in reports),
+      "complete": (all(r.get("complete", True) for _, r in reports) and
+                   not missing),
       "counts": counts,
       "ok": (counts["ok"] == len(merged_runs) == fleet_size and
              not missing),
