@@ -819,3 +819,25 @@ def test_a_merge_missing_a_shard_is_not_complete():
       ("s0.json", dict(_report("/o", 0, 2, ["/r/a"], "t1"), complete=True))])
   assert merged["missing_shards"] == [1]
   assert not merged["complete"] and not merged["ok"]
+
+
+def test_flax_files_of_another_prefix_are_a_run(tmp_path, monkeypatch):
+  """`flax.training.checkpoints` files saved with `prefix="model_"`: a run,
+  as `clu-ckpt migrate` finds them, not "not a checkpoint directory"."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  run = tmp_path / "runs" / "p"
+  run.mkdir(parents=True)
+  for step in (5, 10):
+    flax_format.save_file({"step": step, "w": np.ones(2, np.float32)},
+                          str(run / f"model_{step}"))
+  (tmp_path / "runs" / "q").mkdir()
+  (tmp_path / "runs" / "q" / "notes_2024").write_text("not a state")
+  monkeypatch.chdir(tmp_path)
+  runs, skipped = _summary(fleet_discovery.plan_fleet([], ["runs/*"]))
+  assert runs == [("runs/p", "flax_training", [], None)]
+  assert [path for path, _ in skipped] == ["runs/q"]
+  entry = fleet_workers._Worker().migrate(  # pylint: disable=protected-access
+      {"source": str(run), "destination": str(tmp_path / "out")}, {})
+  assert entry["status"] == "ok", entry
+  assert [s["step"] for s in entry["summary"]["steps"]] == [5, 10]

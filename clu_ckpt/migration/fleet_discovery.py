@@ -235,6 +235,22 @@ def classify(entries: "Optional[Mapping[str, int]] | Unlistable") -> str:
   return EMPTY if not entries else OTHER
 
 
+_NUMBERED_FILE_RE = re.compile(r"^[^.]*\D\d+$")
+
+
+def _flax_files_of_another_prefix(path: str, entries: Mapping[str, int]
+                                  ) -> bool:
+  """Whether `path` holds Flax checkpoint files named with a prefix other
+  than `checkpoint_` (`model_100`), as `migrate` finds them
+  (`flax_training.find_prefix`, which reads the candidates' first bytes;
+  asked only of directories the listing alone does not classify)."""
+  if not any(_NUMBERED_FILE_RE.match(n) and size > 0
+             for n, size in entries.items()):
+    return False
+  from clu_ckpt import flax_training  # pylint: disable=g-import-not-at-top
+  return flax_training.find_prefix(path) is not None
+
+
 # The kinds this version migrates (`clu_ckpt.migration.migrate` reads both).
 _MIGRATED_KINDS = (CLU, FLAX_TRAINING)
 
@@ -460,6 +476,8 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
     if path in covered or not _matches(path, pattern):
       continue
     kind = classify(entries)
+    if kind == OTHER and _flax_files_of_another_prefix(path, entries):
+      kind = FLAX_TRAINING
     if kind in _MIGRATED_KINDS:
       runs.append(Run(path, "Checkpoint" if kind == CLU else kind,
                       nbytes=_size(entries)))
