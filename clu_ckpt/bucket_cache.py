@@ -19,7 +19,8 @@ answers for the length of one operation, in this thread or task only:
   objects others write (a lock, a destination).
 
 Outside these blocks nothing is cached, so other processes' writes are seen
-at once. Blocks nest (the outermost one counts).
+at once. Blocks nest: the outermost one keeps the objects, and an inner
+block's `but_not` applies too while it runs.
 
 Synopsis::
 
@@ -96,8 +97,12 @@ def object_cache(under: str, but_not: str = "") -> Iterator[None]:
     with bucket_cache.object_cache("gs://b/run", but_not="gs://b/run/orbax"):
       summary = migration.migrate("gs://b/run", "gs://b/run/orbax")
   """
-  if _OBJECTS.get() is not None:
-    yield
+  outer = _OBJECTS.get()
+  if outer is not None:
+    # The outermost block's objects are kept; this block's exclusion
+    # applies too while it runs (what it excludes may be written now).
+    with outer.excluding(but_not):
+      yield
     return
   token = _OBJECTS.set(_Objects(OBJECT_CACHE_BYTES, under, but_not))
   try:
@@ -114,10 +119,29 @@ class _Objects:
     # `under` itself, and a multi-host run's `<under>-<host>/` directories;
     # not a sibling that merely starts with its name (`<under>2/`).
     self.under = re.compile(re.escape(under.rstrip("/")) + r"(?:-[0-9]+)?/")
-    self.but_not = but_not.rstrip("/") + "/" if but_not else ""
+    self.but_not = [but_not.rstrip("/") + "/"] if but_not else []
     self.held = 0
     self._items: "collections.OrderedDict[str, tuple[dict, bytes]]" = (
         collections.OrderedDict())
+
+  def excludes(self, key: str) -> bool:
+    """Whether `key` is under one of the excluded prefixes."""
+    return any(key.startswith(prefix) for prefix in self.but_not)
+
+  @contextlib.contextmanager
+  def excluding(self, but_not: str) -> Iterator[None]:
+    """Also never keeps objects under `but_not` (and forgets them) while
+    the block runs."""
+    if not but_not:
+      yield
+      return
+    prefix = but_not.rstrip("/") + "/"
+    self.forget(prefix, tree=True)
+    self.but_not.append(prefix)
+    try:
+      yield
+    finally:
+      self.but_not.remove(prefix)
 
   def get(self, key: str) -> Optional[tuple[dict, bytes]]:
     item = self._items.get(key)
@@ -158,7 +182,7 @@ def caching_objects(key: str) -> bool:
   """Whether an `object_cache` block keeps the object `key` (its URL)."""
   objects = _OBJECTS.get()
   return objects is not None and objects.under.match(key) is not None and not (
-      objects.but_not and key.startswith(objects.but_not))
+      objects.excludes(key))
 
 
 def forget(key: str = "", *, tree: bool = False) -> None:

@@ -31,6 +31,9 @@ _REQUEST = re.compile(
     rb"(?:^|\r\n)((?:GET|HEAD|POST|PUT|PATCH|DELETE) \S+ HTTP/1\.[01])\r\n"
     rb"((?:[^\r\n]+\r\n)*?)\r\n")
 _RANGE = re.compile(rb"(?im)^range: *([^\r\n]+)")
+_LENGTH = re.compile(rb"(?im)^content-length: *(\d+)")
+# A request whose body is at least this long counts as an upload.
+UPLOAD_BYTES = 2**20
 
 
 class LinkProxy:
@@ -48,6 +51,11 @@ class LinkProxy:
     request_lines: ("GET /path HTTP/1.1", "bytes=0-99" or None) per request.
     max_open: The most connections opened since the last `reset` open at
       once.
+    uploads: [request line, body bytes, start, end, reset generation] per
+      request with a body of at least `UPLOAD_BYTES`: from its headers
+      arriving at the proxy to its final response's first bytes
+      (`time.monotonic()`; end None while it runs).
+    max_uploads: The most such uploads in flight at once.
   """
 
   def __init__(self, target_port: int, *, rtt: float = 0.0,
@@ -74,6 +82,9 @@ class LinkProxy:
       self._open_now = 0
       self.max_open = 0
       self.request_lines: list[tuple[str, Optional[str]]] = []
+      self.uploads: list[list] = []
+      self._uploading = 0
+      self.max_uploads = 0
 
   @property
   def requests(self) -> int:
@@ -135,6 +146,8 @@ class LinkProxy:
       for sock in (client, upstream):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       done: list = []
+      # The connection's upload in flight, and where its request parser is.
+      state = {"upload": None, "buf": b"", "body": 0}
       with self._lock:
         self.connections += 1
         self._open += 1
@@ -142,16 +155,15 @@ class LinkProxy:
         self.max_open = max(self.max_open, self._open_now)
         self._sockets.update((client, upstream))
         done.append(self._generation)
-      self._spawn(self._pipe, client, upstream, True, done)
-      self._spawn(self._pipe, upstream, client, False, done)
+      self._spawn(self._pipe, client, upstream, True, done, state)
+      self._spawn(self._pipe, upstream, client, False, done, state)
 
   def _pipe(self, src: socket.socket, dst: socket.socket, upward: bool,
-            done: list) -> None:
+            done: list, state: dict) -> None:
     shaped = self.rtt > 0 or self.rate
     chunks: queue.Queue = queue.Queue()
     if shaped:
       self._spawn(self._send_when_due, chunks, dst, upward)
-    pending = b""
     try:
       while True:
         try:
@@ -159,7 +171,10 @@ class LinkProxy:
         except OSError:
           data = b""
         if upward and data:
-          pending = self._note_requests(pending + data)
+          self._note_requests(data, state)
+        elif data and state["upload"] is not None and data.startswith(
+            b"HTTP/1.") and data[9:10] != b"1":  # not "100 Continue"
+          self._upload_answered(state)
         if shaped:
           chunks.put((time.monotonic(), data))
         elif data:
@@ -233,22 +248,64 @@ class LinkProxy:
       _close(src)
       _close(dst)
 
-  def _note_requests(self, data: bytes) -> bytes:
-    """Records the requests whose headers are complete; returns the tail."""
-    if b" HTTP/1." not in data:  # a body: skip the (slow) pattern
-      return data[-8192:]
-    end = 0
+  def _upload_answered(self, state: dict) -> None:
+    """The connection's upload got its response: it is no longer in flight."""
+    with self._lock:
+      upload, state["upload"] = state["upload"], None
+      if upload is not None:
+        upload[3] = time.monotonic()
+        if upload[4] == self._generation:
+          self._uploading -= 1
+
+  def _note_requests(self, data: bytes, state: dict) -> None:
+    """Records each request as its headers complete, skipping bodies.
+
+    A body of known length (`Content-Length`) is skipped by counting, so
+    that a request following a body in the same read is found; a body of
+    unknown length (chunked) is searched for request lines instead.
+    """
     found = []
-    for m in _REQUEST.finditer(data):
+    while data:
+      if state["body"] > 0:
+        n = min(state["body"], len(data))
+        state["body"] -= n
+        data = data[n:]
+        continue
+      buf = state["buf"] + data
+      if state["body"] < 0:  # chunked: look for the next request line
+        m = re.search(rb"\r\n(?=(?:GET|HEAD|POST|PUT|PATCH|DELETE) \S+ "
+                      rb"HTTP/1\.[01]\r\n)", buf)
+        if m is None:
+          state["buf"] = buf[-8192:]
+          break
+        buf, state["body"] = buf[m.end():], 0
+      end = buf.find(b"\r\n\r\n")
+      if end < 0:
+        state["buf"] = buf[-65536:]
+        break
+      state["buf"] = b""
+      head, data = buf[:end + 2], buf[end + 4:]
+      m = _REQUEST.search(b"\r\n" + head + b"\r\n")
+      if m is None:  # not a request we know: skip its headers
+        continue
       rng = _RANGE.search(m.group(2))
+      length = _LENGTH.search(m.group(2))
+      state["body"] = int(length.group(1)) if length else (
+          -1 if re.search(rb"(?im)^transfer-encoding: *chunked", head)
+          else 0)
       found.append((m.group(1).decode("latin-1"),
-                    rng.group(1).decode("latin-1") if rng else None))
-      end = m.end()
+                    rng.group(1).decode("latin-1") if rng else None,
+                    int(length.group(1)) if length else 0))
     if found:
       with self._lock:
-        self.request_lines.extend(found)
-    tail = data[end:]
-    return tail[-8192:]  # a request line split across reads
+        self.request_lines.extend((line, rng) for line, rng, _ in found)
+        for line, _, length in found:
+          if length >= UPLOAD_BYTES and state["upload"] is None:
+            upload = [line, length, time.monotonic(), None, self._generation]
+            state["upload"] = upload
+            self.uploads.append(upload)
+            self._uploading += 1
+            self.max_uploads = max(self.max_uploads, self._uploading)
 
 
 def _close(sock: socket.socket) -> None:

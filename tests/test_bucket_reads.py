@@ -472,3 +472,29 @@ def test_object_cache_prefix_is_the_run_and_its_hosts_not_siblings():
                   "gs://b/run_old/ckpt-1.index": False,
                   "gs://b/run-x/ckpt-1.index": False,
                   "gs://b/run/orbax/lock": False}
+
+
+def test_a_nested_object_cache_excludes_its_own_but_not_while_it_runs():
+  # A migration inside another operation's block (the fleet's, a test's):
+  # the inner block's destination must not be kept by the outer block.
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  with bucket_cache.object_cache("gs://b/run"):
+    assert bucket_cache.caching_objects("gs://b/run/dst/lock")
+    with bucket_cache.object_cache("gs://b/run", but_not="gs://b/run/dst"):
+      assert not bucket_cache.caching_objects("gs://b/run/dst/lock")
+      assert bucket_cache.caching_objects("gs://b/run/ckpt-1.index")
+      assert bucket_cache.caching_objects("gs://b/run/dst2/x")
+    assert bucket_cache.caching_objects("gs://b/run/dst/lock")
+
+
+def test_a_nested_object_cache_forgets_what_its_but_not_covers(proxy):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  bucket = proxy.store.bucket()
+  root = f"{proxy.store.scheme}://{bucket}"
+  fs = proxy.store.fs()
+  fs.pipe_file(f"{bucket}/run/dst/lock", b"one")
+  with bucket_cache.object_cache(f"{root}/run"):
+    assert storage.read_bytes(f"{root}/run/dst/lock") == b"one"
+    with bucket_cache.object_cache(f"{root}/run", but_not=f"{root}/run/dst"):
+      fs.pipe_file(f"{bucket}/run/dst/lock", b"two")  # another's write
+      assert storage.read_bytes(f"{root}/run/dst/lock") == b"two"
