@@ -321,15 +321,16 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   """`migration.migrate`; `migrate@W`: TensorStore's window W MiB.
 
   `migrate@WxF` also asks Orbax for OCDBT data files of F MiB
-  (`PyTreeSave(ocdbt_target_data_file_size=...)`; Orbax's default on GCS
-  is 400 MiB), which lets TensorStore upload a flush as parallel files: an
-  experiment, not what `migrate` does.
+  (`orbax_target.REMOTE_DATA_FILE_BYTES`, passed as PyTreeSave's
+  `ocdbt_target_data_file_size`; F = 0: Orbax's own default, 400 MiB on
+  GCS), which lets TensorStore upload a flush as parallel files.
   """
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
   window_mib, _, file_mib = window_mib.partition("x")
   if file_mib:
-    _orbax_data_files(int(file_mib) * 2**20)
+    orbax_target.REMOTE_DATA_FILE_BYTES = int(file_mib) * 2**20 or None
   inflight = int(window_mib) * 2**20 if window_mib else None
   base = _rss_anon()
   _warm(src)
@@ -341,20 +342,6 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
     raise RuntimeError(f"migration failed: {failed}")
   return {"seconds": time.perf_counter() - start,
           "extra_rss": peak.peak - base}
-
-
-def _orbax_data_files(size: int) -> None:
-  """Makes Orbax's PyTreeSave ask TensorStore for data files of `size`."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  base = ocp.args.PyTreeSave
-
-  class SizedPyTreeSave(base):
-
-    def __init__(self, item=None, **kwargs):
-      kwargs.setdefault("ocdbt_target_data_file_size", size)
-      super().__init__(item, **kwargs)
-
-  ocp.args.PyTreeSave = SizedPyTreeSave
 
 
 _CHILDREN = {"link": _child_link, "ceiling": _child_link,
@@ -462,7 +449,14 @@ def _measure(args) -> dict:
         result = _run_child(child, src, dst, env)
         if proxy is not None:
           result.update(down=proxy.down, up=proxy.up,
-                        requests=proxy.requests, streams=proxy.max_open)
+                        requests=proxy.requests, streams=proxy.max_open,
+                        **_upload_stats(proxy))
+          if args.timeline:
+            t0 = min([u[2] for u in proxy.uploads], default=0)
+            result["timeline"] = [[u[0][:60], u[1], round(u[2] - t0, 3),
+                                   None if u[3] is None else
+                                   round(u[3] - t0, 3)]
+                                  for u in proxy.uploads]
         result["load"] = load
         row[method] = result
         if dst.startswith(store.scheme + "://"):
@@ -482,6 +476,30 @@ def _measure(args) -> dict:
     shaped.stop()
     plain.stop()
     store.stop()
+
+
+def _upload_stats(proxy) -> dict:
+  """What the proxy saw of uploads (requests with a body of 1 MiB or more).
+
+  `uploads_max`: the most in flight at once; `uploads_mean`: how many were
+  in flight on average while any was; `upload_count`, `upload_mib` (the
+  median body).
+  """
+  spans = [(u[2], u[3]) for u in proxy.uploads if u[3] is not None]
+  if not spans:
+    return {"uploads_max": 0, "upload_count": 0}
+  busy, edges = 0.0, sorted(spans)
+  start, end = edges[0]
+  for s, e in edges[1:]:
+    if s > end:
+      busy += end - start
+      start, end = s, e
+    else:
+      end = max(end, e)
+  busy += end - start
+  return {"uploads_max": proxy.max_uploads, "upload_count": len(spans),
+          "uploads_mean": sum(e - s for s, e in spans) / busy if busy else 0,
+          "upload_mib": statistics.median(u[1] for u in proxy.uploads) / 2**20}
 
 
 def _report(result: dict) -> str:
@@ -524,9 +542,9 @@ def _report(result: dict) -> str:
       f"{result['mbps']} MB/s per connection",
       "",
       "method          seconds   MB/s  streams  of link  x naive  MiB down  "
-      "requests  RssAnon/size  load  join s",
+      "requests  RssAnon/size  load  join s  uploads max/mean x MiB",
       "--------------  -------  -----  -------  -------  -------  --------  "
-      "--------  ------------  ----  ------"]
+      "--------  ------------  ----  ------  ----------------------"]
   for method in methods:
     s = med(method, "seconds")
     rate = size / s / _MB
@@ -554,7 +572,10 @@ def _report(result: dict) -> str:
         f"{(rss / size) if rss is not None else float('nan'):12.2f}  "
         f"{med(method, 'load'):4.1f}  " +
         (f"{med(method, 'join'):6.2f}" if med(method, "join") is not None
-         else "     -"))
+         else "     -") +
+        (f"  {med(method, 'uploads_max'):3.0f}/{med(method, 'uploads_mean', 0):4.1f}"
+         f" x {med(method, 'upload_mib', 0):5.1f}"
+         if med(method, "upload_count") else ""))
   return "\n".join(lines)
 
 
@@ -578,6 +599,9 @@ def main() -> None:
                       help="a checkout of the code before: methods ending in "
                       "`!base` run with it on PYTHONPATH")
   parser.add_argument("--json")
+  parser.add_argument("--timeline", action="store_true",
+                      help="keep each upload the proxy saw (request line, "
+                      "bytes, start and end seconds) in the JSON")
   parser.add_argument("--from-json")
   parser.add_argument("--child", help=argparse.SUPPRESS)
   parser.add_argument("--src", help=argparse.SUPPRESS)

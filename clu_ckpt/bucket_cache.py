@@ -111,6 +111,31 @@ def object_cache(under: str, but_not: str = "") -> Iterator[None]:
     _OBJECTS.reset(token)
 
 
+_PASSING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "clu_ckpt_bucket_passing", default=False)
+
+
+@contextlib.contextmanager
+def passing_through() -> Iterator[None]:
+  """Within the block, reads are not turned into whole-object downloads.
+
+  For a read of an object's first bytes long before its whole is needed
+  (a migration's planning peeks at every `.flax` before writing any): kept
+  whole then, a small `.flax` could be dropped by the cache's limit before
+  its turn and downloaded twice. Objects already kept are still served.
+
+  Example::
+
+    with bucket_cache.passing_through():
+      head = fs.read_bytes("gs://b/run/ckpt-7.flax", 0, 2**20)
+  """
+  token = _PASSING.set(True)
+  try:
+    yield
+  finally:
+    _PASSING.reset(token)
+
+
 class _Objects:
   """Whole small objects and their metadata, least recently used dropped."""
 
@@ -181,8 +206,8 @@ def keep_object(key: str, info: dict, data: bytes) -> None:
 def caching_objects(key: str) -> bool:
   """Whether an `object_cache` block keeps the object `key` (its URL)."""
   objects = _OBJECTS.get()
-  return objects is not None and objects.under.match(key) is not None and not (
-      objects.excludes(key))
+  return objects is not None and not _PASSING.get() and (
+      objects.under.match(key) is not None) and not objects.excludes(key)
 
 
 def forget(key: str = "", *, tree: bool = False) -> None:

@@ -360,6 +360,14 @@ class FsspecFileSystem(filesystem.FileSystem):
                     if info.get(f)), "")
     spool = bucket_spool.SparseSpool(self, path, size)
     spool.identity = (path, size, _mtime(info), version)
+    if 0 < size <= bucket_cache.SMALL_OBJECT_BYTES:
+      # A small object an `object_cache()` block keeps: the copy is made
+      # whole now (one request, or none), so that ranges asked for later
+      # from other threads (Orbax's writer), where the block does not
+      # apply, are not downloaded again.
+      whole = self._small_object(path)
+      if whole is not None and len(whole) == size:
+        spool.adopt([(0, whole)])
     return spool
 
   def _small_object(self, path: str) -> Optional[bytes]:

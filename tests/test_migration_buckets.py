@@ -435,3 +435,51 @@ def test_progress_totals_match_what_was_done_from_a_bucket(runs, tmp_path):
   # Planned from the files' sizes (not downloaded), corrected as each is read.
   assert events[0].total_nbytes > sum(r.nbytes for r in summary.steps)
   assert events[-1].total_nbytes == sum(r.nbytes for r in summary.steps)
+
+
+# --------------------------------------------------------------------------
+# Many streams up: the data files TensorStore writes to a bucket.
+# --------------------------------------------------------------------------
+
+
+def test_a_bucket_destination_uploads_data_files_in_parallel(gcs, tmp_path):
+  # Orbax asks TensorStore for 400 MiB data files on GCS by default: every
+  # array then goes up as one upload, one at a time. With
+  # `orbax_target.REMOTE_DATA_FILE_BYTES` files a large array goes up as
+  # several uploads at once. Stock Orbax restores the step bit-exactly.
+  import link_proxy  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  files = orbax_target.REMOTE_DATA_FILE_BYTES
+  assert files and files <= 16 * 2**20, files
+  rng = np.random.default_rng(5)
+  state = {"step": np.int64(9), "params": {
+      "kernel": rng.standard_normal(5 * files // 4).astype(np.float32),
+      "bias": np.arange(16, dtype=np.float32)}}
+  bucket = gcs.bucket()
+  fs = gcs.fs()
+  fs.pipe_file(f"{bucket}/run/ckpt-1.flax", flax_format.save(state))
+  fs.pipe_file(f"{bucket}/run/checkpoint", (
+      b'model_checkpoint_path: "ckpt-1"\n'
+      b'all_model_checkpoint_paths: "ckpt-1"\n'
+      b"all_model_checkpoint_timestamps: 1700000000.5\n"
+      b"last_preserved_timestamp: 1.0\n"))
+  destination = f"gs://{bucket}/orbax"
+  with link_proxy.LinkProxy(gcs.port) as proxy:
+    result = _cli(gcs.child_env(STORAGE_EMULATOR_HOST=proxy.url,
+                                TENSORSTORE_GCS_HTTP_URL=proxy.url),
+                  "migrate", f"gs://{bucket}/run", destination)
+    assert result.returncode == 0, result.stderr
+    uploads = [(line, size) for line, size, *_ in proxy.uploads]
+    assert proxy.max_uploads >= 2, uploads
+  # The array's bytes went up as files of about the target size.
+  big = [size for line, size in uploads if "ocdbt" in line or "/d/" in line
+         or "uploadType" in line]
+  assert sum(big) >= 0.8 * state["params"]["kernel"].nbytes, uploads
+  assert max(big) <= 2 * files + 2**20, uploads
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  fsspec_fs.configure_environment()
+  with ocp.CheckpointManager(destination) as mngr:
+    assert mngr.all_steps() == [9]
+    restored = mngr.restore(9)
+  assert _same(state["params"], {
+      k: np.asarray(v) for k, v in restored["state"]["params"].items()})

@@ -76,6 +76,14 @@ DEFAULT_INFLIGHT_BYTES = 128 * 2**20
 # (TensorStore, Orbax; the same locally), so the extra memory is below a
 # quarter of the checkpoint's size from checkpoints of about 1 GB up.
 REMOTE_INFLIGHT_BYTES = 16 * 2**20
+# The size of the OCDBT data files TensorStore writes to a bucket
+# (`ocdbt_target_data_file_size`, public in Orbax's PyTreeSave; Orbax's
+# default on GCS is 400 MiB). TensorStore uploads a data file as soon as it
+# reaches this size, in parallel with the next ones; with 400 MiB files every
+# array went up as one upload, one at a time. Arrays larger than this are
+# chunked at this size (stock Orbax restores either). None: Orbax's default.
+# Chosen by measurement: see `benchmarks/bench_buckets.py`, migrate@WxF.
+REMOTE_DATA_FILE_BYTES: Optional[int] = 8 * 2**20
 
 # The oldest orbax-checkpoint the migration writes with: its `NumpyHandler`
 # takes `deepcopy_host_arrays` from 0.12.5 on (before, it deep-copies every
@@ -351,7 +359,10 @@ class OrbaxTarget(Target):
                  ocp.handlers.PyTreeCheckpointHandler())
     registry.add(METADATA_ITEM, ocp.args.JsonSave,
                  ocp.handlers.JsonCheckpointHandler())
-    args = {STATE_ITEM: ocp.args.PyTreeSave(items[STATE_ITEM]),
+    files = {}
+    if is_bucket(self.root) and REMOTE_DATA_FILE_BYTES:
+      files["ocdbt_target_data_file_size"] = REMOTE_DATA_FILE_BYTES
+    args = {STATE_ITEM: ocp.args.PyTreeSave(items[STATE_ITEM], **files),
             METADATA_ITEM: ocp.args.JsonSave(items[METADATA_ITEM])}
     if DATASET_ITEM in items:
       args[DATASET_ITEM] = ocp.args.PyTreeSave(items[DATASET_ITEM])
@@ -795,11 +806,30 @@ def _bounded_numpy_handler(inflight_bytes: int,
 
       tasks = []
       prefetch = memory.Prefetcher(values, 2 * inflight_bytes)
-      for i, (value, info, arg) in enumerate(
-          zip(values, infos, args or [None] * len(values))):
-        prefetch.up_to(i)
-        await budget.acquire(value.nbytes)
-        tasks.append(asyncio.ensure_future(write(value, info, arg)))
+      # The read-ahead runs in a thread: on a bucket it downloads (a spool's
+      # madvise fetches), and on the event loop it would stall the writes
+      # already admitted, so the next arrays' download would not overlap
+      # the current ones' upload. `up_to(i - 1)` has read array i (and
+      # more, up to the window), so array i waits only for that. (The
+      # thread runs in this context: a bucket_cache block holding the
+      # source's small objects applies there too.)
+      reading = None
+      try:
+        for i, (value, info, arg) in enumerate(
+            zip(values, infos, args or [None] * len(values))):
+          if reading is not None:
+            await reading
+          reading = asyncio.ensure_future(
+              asyncio.to_thread(prefetch.up_to, i))
+          if i == 0:
+            await reading
+          await budget.acquire(value.nbytes)
+          tasks.append(asyncio.ensure_future(write(value, info, arg)))
+        if reading is not None:
+          await reading
+      finally:
+        if reading is not None and not reading.done():
+          reading.cancel()
       await asyncio.gather(*tasks)
 
   return BoundedNumpyHandler()

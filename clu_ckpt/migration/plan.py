@@ -17,6 +17,7 @@ Synopsis::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from clu_ckpt import bucket_cache
 from clu_ckpt import errors
 from clu_ckpt import flax_format
 from clu_ckpt import flax_training
@@ -312,7 +314,11 @@ def peek_step(path: str) -> tuple[Optional[int], int]:
     OSError: It cannot be read.
   """
   size, _ = storage.stat(path)
-  head = storage.filesystem(path).read_bytes(path, 0, min(size, PEEK_BYTES))
+  # Not kept whole (bucket_cache): the cache could drop it before its turn.
+  with (bucket_cache.passing_through() if size > PEEK_BYTES else
+        contextlib.nullcontext()):
+    head = storage.filesystem(path).read_bytes(path, 0,
+                                               min(size, PEEK_BYTES))
   try:
     value = flax_format.load(head, subtree="step")
   except (flax_format.FlaxFormatError, KeyError, TypeError, ValueError):
