@@ -66,6 +66,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 _HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE))
@@ -85,6 +86,31 @@ def _peak_sampler():
 def _rss_anon() -> int:
   import bench_migration  # pylint: disable=g-import-not-at-top
   return bench_migration._rss_anon()  # pylint: disable=protected-access
+
+
+class _Series:
+  """RssAnon above `base` every `period` seconds, in a thread: [(s, MiB)]."""
+
+  def __init__(self, base: int, period: float = 0.2):
+    import threading  # pylint: disable=g-import-not-at-top
+    self.base, self.period, self.points = base, period, []
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+
+  def _run(self):
+    start = time.perf_counter()
+    while not self._stop.is_set():
+      self.points.append((round(time.perf_counter() - start, 2),
+                          round((_rss_anon() - self.base) / 2**20, 1)))
+      time.sleep(self.period)
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
 
 
 # --------------------------------------------------------------------------
@@ -329,19 +355,23 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
   window_mib, _, file_mib = window_mib.partition("x")
+  file_mib, _, ahead = file_mib.partition("r")
   if file_mib:
     orbax_target.REMOTE_DATA_FILE_BYTES = int(file_mib) * 2**20 or None
+  if ahead:  # `rN`: the read-ahead's ranges of N MiB (bucket_spool)
+    from clu_ckpt import bucket_spool  # pylint: disable=g-import-not-at-top
+    bucket_spool.READ_AHEAD_CHUNK = int(ahead) * 2**20
   inflight = int(window_mib) * 2**20 if window_mib else None
   base = _rss_anon()
   _warm(src)
   start = time.perf_counter()
-  with _peak_sampler() as peak:
+  with _peak_sampler() as peak, _Series(base) as series:
     summary = migration.migrate(src, dst, inflight_bytes=inflight)
   failed = [str(r) for r in summary.failed]
   if failed:
     raise RuntimeError(f"migration failed: {failed}")
   return {"seconds": time.perf_counter() - start,
-          "extra_rss": peak.peak - base}
+          "extra_rss": peak.peak - base, "rss_series": series.points}
 
 
 _CHILDREN = {"link": _child_link, "ceiling": _child_link,
@@ -351,6 +381,17 @@ _CHILDREN = {"link": _child_link, "ceiling": _child_link,
              "naive_put": _child_naive_put, "save": _child_save,
              "save_flax": _child_save_flax,
              "naive_migrate": _child_naive_migrate, "migrate": _child_migrate}
+
+
+def _cpu_seconds(pid: Optional[int] = None) -> float:
+  """User + system CPU seconds of process `pid` (None: this process,
+  without its children)."""
+  if pid is None:
+    t = os.times()
+    return t.user + t.system
+  with open(f"/proc/{pid}/stat") as f:
+    fields = f.read().rsplit(")", 1)[1].split()
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _run_child(method: str, src: str, dst: str, env: dict) -> dict:
@@ -446,7 +487,14 @@ def _measure(args) -> dict:
         if child.endswith("!base"):  # the baseline tree's code
           child = child[:-len("!base")]
           env["PYTHONPATH"] = args.baseline
+        cpu = (_cpu_seconds(), _cpu_seconds(store.proc.pid))
         result = _run_child(child, src, dst, env)
+        # CPU seconds of the proxies (this process) and of the emulator
+        # during the measurement, beside the child's own (`cpu_child`, its
+        # whole life): with 2 cores, their sum near 2 x the wall time means
+        # the machine, not the link, is the limit.
+        result.update(cpu_proxy=_cpu_seconds() - cpu[0],
+                      cpu_store=_cpu_seconds(store.proc.pid) - cpu[1])
         if proxy is not None:
           result.update(down=proxy.down, up=proxy.up,
                         requests=proxy.requests, streams=proxy.max_open,
@@ -542,9 +590,11 @@ def _report(result: dict) -> str:
       f"{result['mbps']} MB/s per connection",
       "",
       "method          seconds   MB/s  streams  of link  x naive  MiB down  "
-      "requests  RssAnon/size  load  join s  uploads max/mean x MiB",
+      "requests  RssAnon/size  load  join s  cpu s child+proxy+store  "
+      "uploads max/mean x MiB",
       "--------------  -------  -----  -------  -------  -------  --------  "
-      "--------  ------------  ----  ------  ----------------------"]
+      "--------  ------------  ----  ------  -----------------------  "
+      "----------------------"]
   for method in methods:
     s = med(method, "seconds")
     rate = size / s / _MB
@@ -573,6 +623,9 @@ def _report(result: dict) -> str:
         f"{med(method, 'load'):4.1f}  " +
         (f"{med(method, 'join'):6.2f}" if med(method, "join") is not None
          else "     -") +
+        (f"  {med(method, 'cpu_child', 0):7.1f}+{med(method, 'cpu_proxy', 0):5.1f}"
+         f"+{med(method, 'cpu_store', 0):5.1f}     "
+         if med(method, "cpu_proxy") is not None else "  " + " " * 23) +
         (f"  {med(method, 'uploads_max'):3.0f}/{med(method, 'uploads_mean', 0):4.1f}"
          f" x {med(method, 'upload_mib', 0):5.1f}"
          if med(method, "upload_count") else ""))
@@ -610,7 +663,9 @@ def main() -> None:
   if args.child:
     method, _, arg = args.child.partition("@")
     extra = (arg,) if arg else ()
-    print(json.dumps(_CHILDREN[method](args.src, args.dst, *extra)))
+    result = _CHILDREN[method](args.src, args.dst, *extra)
+    result["cpu_child"] = _cpu_seconds()
+    print(json.dumps(result))
     return
   if args.from_json:
     with open(args.from_json) as f:

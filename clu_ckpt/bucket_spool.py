@@ -45,6 +45,9 @@ _MIN_CHUNK = 2**20
 # writer, array by array): enough to keep ahead of its upload, at half the
 # memory of a whole-object read (whose reads would stack on the writer's).
 READ_AHEAD_STREAMS = 4
+# The ranges of that read-ahead: what it holds at once is about twice
+# READ_AHEAD_STREAMS x this (anonymous memory, on top of the writer's).
+READ_AHEAD_CHUNK = SPOOL_CHUNK
 
 
 def streams() -> int:
@@ -62,7 +65,8 @@ def streams() -> int:
 
 def fetch_ranges(read: Callable[[int, int], bytes], path: str, fd: int,
                  ranges: list[tuple[int, int]], size: int,
-                 width: Optional[int] = None) -> int:
+                 width: Optional[int] = None,
+                 chunk: Optional[int] = None) -> int:
   """Copies byte ranges of an object into file `fd` at the same offsets.
 
   `read(start, end)` returns the object's bytes [start, end) (one ranged
@@ -84,7 +88,7 @@ def fetch_ranges(read: Callable[[int, int], bytes], path: str, fd: int,
   width = width or streams()
   # Ranges of SPOOL_CHUNK, smaller for small objects: what is in flight
   # (held about twice as it arrives) stays near 0.2x the object.
-  chunk = min(SPOOL_CHUNK, max(_MIN_CHUNK, size // (10 * width)))
+  chunk = min(chunk or SPOOL_CHUNK, max(_MIN_CHUNK, size // (10 * width)))
   pieces = [(s, min(s + chunk, end)) for start, end in ranges
             for s in range(start, end, chunk)]
   if not pieces:
@@ -153,7 +157,8 @@ class _SpoolMap(mmap.mmap):
       end = len(self) if length is None else start + length
       try:
         self.spool.ensure([(start, end)],
-                          width=min(READ_AHEAD_STREAMS, streams()))
+                          width=min(READ_AHEAD_STREAMS, streams()),
+                          chunk=READ_AHEAD_CHUNK)
       except Exception as e:  # pylint: disable=broad-except
         raise FetchFailedError(f"{self.spool.path}: bytes {start}-{end} "
                                f"could not be fetched ({e})") from e
@@ -235,12 +240,14 @@ class SparseSpool:
     return not self.missing(start, end)
 
   def ensure(self, ranges: list[tuple[int, int]],
-             width: Optional[int] = None) -> None:
+             width: Optional[int] = None,
+             chunk: Optional[int] = None) -> None:
     """Fetches whatever of `ranges` is not here yet, many reads in flight.
 
     Args:
       ranges: (start, end) byte ranges.
       width: Reads in flight (default `streams()`).
+      chunk: The most bytes one read asks for (default `SPOOL_CHUNK`).
 
     Raises:
       OSError: A read failed or the object changed; the local copy could
@@ -259,7 +266,8 @@ class SparseSpool:
       if sum(e - s for s, e in todo) > self.size // 2:
         self._reserve()
       self.requests += self._fs.fetch_into(self.path, self._file.fileno(),
-                                           todo, self.size, width=width)
+                                           todo, self.size, width=width,
+                                           chunk=chunk)
       self.fetched += sum(e - s for s, e in todo)
       self._have = _merge(self._have + todo)
 

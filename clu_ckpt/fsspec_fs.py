@@ -387,7 +387,8 @@ class FsspecFileSystem(filesystem.FileSystem):
     return data
 
   def fetch_into(self, path: str, fd: int, ranges: list[tuple[int, int]],
-                 size: int, width: Optional[int] = None) -> int:
+                 size: int, width: Optional[int] = None,
+                 chunk: Optional[int] = None) -> int:
     """Copies byte ranges of the object into file `fd`: see `bucket_spool.fetch_ranges`.
 
     An object an `object_cache()` block holds is copied from memory.
@@ -409,7 +410,8 @@ class FsspecFileSystem(filesystem.FileSystem):
       with self._naming(path):
         return self.fs.cat_file(key, start=start or None, end=end)
 
-    return bucket_spool.fetch_ranges(read, path, fd, ranges, size, width)
+    return bucket_spool.fetch_ranges(read, path, fd, ranges, size, width,
+                                     chunk)
 
   @contextlib.contextmanager
   def atomic_writer(self, path: str) -> Iterator[Callable[[Any], None]]:
