@@ -483,3 +483,36 @@ def test_a_bucket_destination_uploads_data_files_in_parallel(gcs, tmp_path):
     restored = mngr.restore(9)
   assert _same(state["params"], {
       k: np.asarray(v) for k, v in restored["state"]["params"].items()})
+
+
+def test_the_read_ahead_does_not_stall_the_writes(tmp_path, monkeypatch):
+  # On a bucket the read-ahead downloads the next arrays (a spool's madvise
+  # fetches); run on Orbax's event loop it stalled every write meanwhile,
+  # so downloads and uploads took turns. Here a slow read-ahead: arrays
+  # must finish writing while it runs.
+  import threading  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import memory  # pylint: disable=g-import-not-at-top
+  reading = []
+  up_to = memory.Prefetcher.up_to
+
+  def slow(self, current):
+    start = time.monotonic()
+    up_to(self, current)
+    if current > 0:
+      time.sleep(0.3)
+    reading.append((start, time.monotonic(), threading.get_ident()))
+
+  monkeypatch.setattr(memory.Prefetcher, "up_to", slow)
+  written = []
+  state = {f"w{i}": np.full(2**18, i, np.float32) for i in range(6)}
+  target = orbax_target.OrbaxTarget(str(tmp_path / "orbax"),
+                                    inflight_bytes=2**20)
+  target.write_step(1, {"state": state, "metadata": {}},
+                    on_bytes=lambda n: written.append(time.monotonic()))
+  assert len(written) == 6
+  during = [t for t in written
+            if any(s < t < e for s, e, _ in reading[1:])]
+  assert during, (written, reading)
+  restored, _ = target.restore(1)
+  for name, value in state.items():
+    np.testing.assert_array_equal(restored[name], value)
