@@ -394,6 +394,29 @@ def test_a_destination_root_inside_a_source_is_refused():
     _destinations(["/runs/a"], "/runs", "/runs/a/orbax")
 
 
+@pytest.mark.parametrize("link_to", ["runs/a", "runs/a/checkpoints"])
+def test_a_destination_root_linked_into_a_source_is_refused(tmp_path,
+                                                           link_to):
+  """Deleting the sources after the migration would delete its steps."""
+  source = tmp_path / "runs" / "a" / "checkpoints"
+  source.mkdir(parents=True)
+  (tmp_path / "out").symlink_to(tmp_path / link_to)
+  destination_root = str(tmp_path / "out" / "orbax")
+  runs = {"runs/a": [str(tmp_path / "runs" / "a")],
+          "runs/a/checkpoints": [str(source)]}[link_to]
+  with pytest.raises(errors.UsageError) as refused:
+    _destinations(runs, str(tmp_path / "runs"), destination_root)
+  assert str(refused.value) == (
+      f"--destination-root={destination_root} is inside the source "
+      f"{runs[0]} (through symbolic links it is "
+      f"{tmp_path / link_to / 'orbax'})")
+  # A link elsewhere is no reason to refuse.
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "out2").symlink_to(tmp_path / "elsewhere")
+  assert _destinations(runs, str(tmp_path / "runs"),
+                       str(tmp_path / "out2" / "orbax"))
+
+
 def test_the_root_is_recorded_once_and_guards_the_destination(tmp_path):
   destination = str(tmp_path / "orbax")
   assert fleet_assignment.read_recorded_root(destination) is None
