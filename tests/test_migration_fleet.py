@@ -12,6 +12,7 @@ tests/test_migrate_runs.py.
 
 import argparse
 import io
+import glob
 import json
 import random
 import re
@@ -237,6 +238,35 @@ def test_a_recursive_glob_finds_runs_at_every_depth(tree):
       ("runs/m/checkpoints", "MultihostCheckpoint"),
       ("runs/team/x/checkpoints", "Checkpoint"),
       ("runs/team/y/deep/checkpoints", "MultihostCheckpoint")]
+
+
+@pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
+                                     "runs/**/checkpoints", "runs/?h*/*"])
+def test_a_run_in_a_hidden_directory_is_found(tree, pattern):
+  """A wildcard matches names beginning with "." locally as it does in a
+  bucket: a shell's glob (and `glob.glob`) would leave such a run out
+  unseen, neither migrated nor listed as skipped."""
+  clu_dir(tree, "runs/.hidden/checkpoints")
+  (tree / "runs" / ".cache").mkdir()
+  runs, skipped = _summary(fleet_discovery.plan_fleet([], [pattern]))
+  assert ("runs/.hidden/checkpoints", "Checkpoint", [], None) in runs
+  assert "runs/.cache" not in [path for path, _ in skipped]
+
+
+def test_local_glob_is_glob_with_hidden_names(tree):
+  clu_dir(tree, "runs/team/x/checkpoints")
+  (tree / "runs" / "link").symlink_to(tree / "runs" / "team")
+  for pattern in ["runs/*/checkpoints", "runs/**/checkpoints", "runs/**",
+                  "runs/[ab]/*", "runs/m/checkpoints-[0-9]*", "runs",
+                  "runs/nothing/*", "*/a", str(tree / "runs" / "*")]:
+    expected = sorted(p.rstrip("/") for p in glob.glob(pattern,
+                                                       recursive=True))
+    assert fleet_discovery.local_glob(pattern) == expected, pattern
+  # A link back up (a loop) is listed, not followed around.
+  (tree / "runs" / "team" / "up").symlink_to(tree / "runs")
+  found = fleet_discovery.local_glob("runs/**/checkpoints")
+  assert "runs/team/up/a/checkpoints" not in found
+  assert "runs/link/x/checkpoints" in found
 
 
 def test_a_host_like_directory_beside_a_run_is_a_run(tree):
