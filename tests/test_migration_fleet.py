@@ -189,6 +189,23 @@ def test_a_symlinked_run_is_a_run_under_its_own_name(tree):
   assert runs == [("runs/l/checkpoints", "Checkpoint", [], None)]
 
 
+def test_a_run_reached_under_two_names_is_one_run(tree):
+  """Through a link to a directory of runs, `**` reaches each run twice:
+  migrated once, under its name without links; the other name skipped."""
+  clu_dir(tree, "runs/team/x/checkpoints")
+  (tree / "runs" / "alias").symlink_to(tree / "runs" / "team")
+  runs, skipped = _summary(fleet_discovery.plan_fleet(
+      [], ["runs/**/checkpoints"]))
+  assert [r[0] for r in runs].count("runs/team/x/checkpoints") == 1
+  assert "runs/alias/x/checkpoints" not in [r[0] for r in runs]
+  assert ("runs/alias/x/checkpoints", "the same run as "
+          "runs/team/x/checkpoints (through a symbolic link)") in skipped
+  # Named only through the link, it is a run under that name.
+  runs, _ = _summary(fleet_discovery.plan_fleet(
+      ["runs/alias/x/checkpoints"], []))
+  assert [r[0] for r in runs] == ["runs/alias/x/checkpoints"]
+
+
 def test_a_dangling_symlink_is_an_error_not_a_skip(tree):
   """A run behind a link to an unmounted disk is not "not a directory"."""
   (tree / "runs" / "d").mkdir()

@@ -33,7 +33,7 @@ import glob
 import os
 import posixpath
 import re
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from clu_ckpt.errors import UsageError
 
@@ -592,12 +592,33 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
       if key not in runs or (runs[key].error and not run.error):
         runs[key] = run
   skipped: dict[str, Skipped] = {}
+  for twice in _reached_twice(list(runs.values())):
+    del runs[_identity(twice.path)]
+    skipped[_identity(twice.path)] = twice
   for plan in plans:
     for s in plan.skipped:
       if _identity(s.path) not in runs:
         skipped.setdefault(_identity(s.path), s)
   return Plan(sorted(runs.values(), key=lambda r: r.source),
               sorted(skipped.values(), key=lambda s: s.path))
+
+
+def _reached_twice(runs: Iterable[Run]) -> list[Skipped]:
+  """Local runs reached under two names (through symbolic links): all but
+  one, as skipped (one run migrated twice, into two destinations).
+
+  The name kept is the one without links, else the first in order.
+  """
+  by_target: dict[str, list[Run]] = {}
+  for run in runs:
+    if not split_url(run.source)[0] and run.error is None:
+      by_target.setdefault(os.path.realpath(run.source), []).append(run)
+  twice = []
+  for target, same in by_target.items():
+    same.sort(key=lambda r: (_identity(r.source) != target, r.source))
+    twice += [Skipped(r.source, f"the same run as {same[0].source} (through "
+                      "a symbolic link)", "") for r in same[1:]]
+  return twice
 
 
 def _identity(path: str) -> str:
