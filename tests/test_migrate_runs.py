@@ -436,6 +436,19 @@ def test_a_stop_starts_no_new_run_and_writes_the_report(tmp_path, stop):
   assert not _workers_in(tmp_path)
 
 
+def test_file_urls_are_local_paths(tree):
+  url = f"file://{tree}"
+  run = _script(f"--source-glob={url}/runs/*/checkpoints",
+                f"--sources={url}/runs/a/checkpoints,{url}/runs/b/checkpoints",
+                f"--destination-root={url}/orbax", "--dry-run", cwd=tree)
+  assert run.returncode == 0, run.stderr
+  plain = _script(f"--source-glob={tree}/runs/*/checkpoints",
+                  f"--destination-root={tree}/orbax", "--dry-run", cwd=tree)
+  assert run.stdout == plain.stdout
+  assert f"would migrate {tree}/runs/a/checkpoints -> {tree}/orbax/a/" in (
+      run.stdout)
+
+
 def test_a_closed_output_stops_no_run(tmp_path):
   """`migrate_runs.py ... | head -1`, a dead log collector: the output is
   gone after the first line; every run is still migrated and reported."""

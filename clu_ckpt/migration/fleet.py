@@ -113,6 +113,7 @@ from clu_ckpt.migration.fleet_assignment import resolve_shard
 from clu_ckpt.migration.fleet_assignment import shard_sources
 from clu_ckpt.migration.fleet_discovery import HOST_REASON
 from clu_ckpt.migration.fleet_discovery import Plan
+from clu_ckpt.migration.fleet_discovery import plain_local
 from clu_ckpt.migration.fleet_discovery import plan_fleet
 from clu_ckpt.migration.fleet_discovery import read_sources_file
 from clu_ckpt.migration.fleet_discovery import Run
@@ -325,6 +326,7 @@ class _Shard:
     sources = [s for group in args.sources for s in group.split(",") if s]
     if args.sources_file:
       sources += read_sources_file(args.sources_file)
+    sources = [plain_local(s) for s in sources]
     if not sources and not args.source_glob:
       raise UsageError("no sources: pass --sources, --source-glob or "
                        "--sources-file")
@@ -535,6 +537,13 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
 
 def _main(args: argparse.Namespace, dests: Sequence[str],
           prog: str) -> int:
+  # `file://` URLs name local paths: planned, compared and written as such.
+  for name in ("source_glob", "reports"):
+    setattr(args, name, [plain_local(p) for p in getattr(args, name)])
+  for name in ("sources_file", "destination_root", "source_root", "report",
+               "merge_reports"):
+    if getattr(args, name):
+      setattr(args, name, plain_local(getattr(args, name)))
   try:
     if args.parallelism < 1:
       raise UsageError(

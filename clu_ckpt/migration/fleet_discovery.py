@@ -61,6 +61,17 @@ def split_url(path: str) -> tuple[str, str]:
   return (m.group(0), path[m.end():]) if m else ("", path)
 
 
+def plain_local(path: str) -> str:
+  """A `file://` URL as the local path it names; anything else as is.
+
+  Example::
+
+    plain_local("file:///runs/a")   # "/runs/a"
+  """
+  scheme, rest = split_url(path)
+  return rest if scheme.lower() == "file://" else path
+
+
 def normalize_path(path: str) -> str:
   """`path` spelled one way (the key of the plan's comparisons).
 
@@ -573,6 +584,7 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
     UsageError: A glob matched nothing.
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  sources, globs = map(plain_local, sources), map(plain_local, globs)
   plans = []
   for pattern in globs:
     plan = plan_pattern(pattern, lister(pattern))
