@@ -82,7 +82,11 @@ REMOTE_INFLIGHT_BYTES = 16 * 2**20
 # reaches this size, in parallel with the next ones; with 400 MiB files every
 # array went up as one upload, one at a time. Arrays larger than this are
 # chunked at this size (stock Orbax restores either). None: Orbax's default.
-# Chosen by measurement: see `benchmarks/bench_buckets.py`, migrate@WxF.
+# Measured (benchmarks/bench_buckets.py, migrate@16xF, 480 MiB gs:// -> gs://
+# through the 30 ms / 60 MB/s proxy, two runs of 2 at load 14-17): 400 MiB
+# (Orbax's) 26.6 / 28.2 s with 1 upload at a time, 8 MiB 24.2 / 27.0 s with
+# up to 4 at once; 4 MiB 25.4 s (one run; 8 at once, more requests, and
+# twice the chunks for every later restore to read): within the noise of 8.
 REMOTE_DATA_FILE_BYTES: Optional[int] = 8 * 2**20
 
 # The oldest orbax-checkpoint the migration writes with: its `NumpyHandler`
