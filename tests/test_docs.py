@@ -45,7 +45,8 @@ _FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)\s*$")
 _SKIP = re.compile(r"^<!--\s*docs-test:\s*skip\s*\((?P<reason>[^)]*)\)\s*-->$")
 _GUIDE = re.compile(r"^<!--\s*guide:\s*(?P<name>[\w-]+)\s*-->$")
 # A document's example paths -> where they are in the test's directory.
-_PATHS = ("/work/run1/", "/runs/", "/reports/", "/orbax_runs", "/tmp/")
+_PATHS = ("/work/run1/", "/runs/", "/reports/", "/orbax_runs", "/orbax/",
+          "/tmp/")
 
 
 @dataclasses.dataclass
