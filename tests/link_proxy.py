@@ -178,11 +178,13 @@ class LinkProxy:
         if shaped:
           chunks.put((time.monotonic(), data))
         elif data:
+          # Counted before it is passed on: a client that has its bytes
+          # finds them counted (counting after the send raced with it).
+          self._count(upward, len(data))
           try:
             dst.sendall(data)
           except OSError:
             data = b""
-          self._count(upward, len(data))
         if not data:
           break
     finally:
@@ -215,12 +217,12 @@ class LinkProxy:
         ahead = started + sent / self.rate - time.monotonic()
         if ahead > 0:
           time.sleep(ahead)
+      self._count(upward, len(data))  # before the client can have it
       try:
         dst.sendall(data)
       except OSError:
         broken = True
         continue
-      self._count(upward, len(data))
 
   def _count(self, upward: bool, n: int) -> None:
     with self._lock:
