@@ -50,11 +50,6 @@ from clu_ckpt.migration import options
 
 _MIB = 2**20
 
-# `clu-ckpt migrate`'s options, defined in `clu_ckpt.migration.options`.
-add_migrate_options = options.add_migrate_options
-TEMPLATE_SPEC = options.TEMPLATE_SPEC
-load_template = options.load_template
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the command line.
