@@ -383,8 +383,9 @@ def test_a_held_lock_names_what_its_file_says(tmp_path, record, named):
     with pytest.raises(errors.DestinationLockedError) as e:
       with destination.lock(str(tmp_path)):
         pass
-    assert f"({named}; lock {tmp_path / destination.LOCK_NAME})" in str(
-        e.value)
+    assert str(e.value) == (
+        f"{tmp_path}: another migration is writing here ({named}; lock "
+        f"{tmp_path / destination.LOCK_NAME}); wait for it, or stop it")
     expected = json.loads(record) if named != "a process" else {}
     assert e.value.holder == expected
   finally:
