@@ -414,7 +414,7 @@ def test_damage_of_a_sound_file_is_none(tmp_path):
 
 
 def test_verify_flax_training_files_reports_progress_and_problems(tmp_path):
-  d = _flax_training_dir(tmp_path / "run", [5, 10, 15])
+  d = _flax_training_dir(tmp_path / "my run", [5, 10, 15])  # a space in it
   sizes = {n: (d / n).stat().st_size for n in ("checkpoint_10",
                                                "checkpoint_15")}
   calls = []
