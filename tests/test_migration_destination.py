@@ -284,13 +284,19 @@ def test_local_roots_are_never_lost(tmp_path):
     # (what takes a lease over on a bucket) does not make it lost here.
     (tmp_path / ".clu_ckpt.lock").write_text(json.dumps(
         dict(host="elsewhere", pid=1, token="not-ours")))
-    assert destination.ensure_held(root) is None
+    destination.ensure_held(root)  # raises if the root counted as lost
+    manifest = destination.read_manifest(root)
+    manifest.record("/runs/a", 1, "ckpt-1", 10)  # checks it, and writes
+    assert destination.read_manifest(root).recorded("/runs/a").keys() == {1}
     with pytest.raises(errors.DestinationLockedError):
       with destination.lock(root):
         pass
-  assert destination.ensure_held(root) is None  # not held: nothing to lose
+  destination.ensure_held(root)  # not held: nothing to lose
+  manifest.forget("/runs/a", 1)
   with destination.lock(root):  # released on leaving the block
-    assert destination.ensure_held(root) is None
+    destination.ensure_held(root)
+    manifest.record("/runs/a", 2, "ckpt-2", 20)
+  assert destination.read_manifest(root).recorded("/runs/a").keys() == {2}
 
 
 # --------------------------------------------------------------------------
