@@ -286,3 +286,16 @@ def test_a_single_file_is_decoded_fully_or_named(tmp_path):
   assert len(result["problems"]) == 1
   assert str(fifo) in result["problems"][0]
   assert "named pipe" in result["problems"][0]
+
+
+def test_a_common_checkpoint_damaged_on_every_host_is_named_not_a_crash(
+    golden_copy):
+  d = golden_copy("multihost")
+  victims = [d / f"checkpoints-{h}" / "ckpt-2.flax" for h in (0, 1)]
+  for victim in victims:
+    victim.write_bytes(victim.read_bytes()[:-5])
+  result = inspection.verify_path(str(d / "checkpoints"))
+  assert result["ok"] is False and result["checked"] == 5
+  assert len(result["problems"]) == 2
+  for victim, problem in zip(victims, result["problems"]):
+    assert problem.startswith(f"{victim} at byte ")
