@@ -299,3 +299,17 @@ def test_a_common_checkpoint_damaged_on_every_host_is_named_not_a_crash(
   assert len(result["problems"]) == 2
   for victim, problem in zip(victims, result["problems"]):
     assert problem.startswith(f"{victim} at byte ")
+
+
+def test_the_latest_alone_is_committed_and_verified(golden_copy):
+  """A state file naming ckpt-5 as the latest only (not among all paths):
+  ckpt-5 is committed, and verify reads it."""
+  d = golden_copy("single_host")
+  _write_state(d, "ckpt-5", ["ckpt-3"])
+  rows = {r["number"]: r for r in inspection.list_checkpoints(str(d))}
+  assert [n for n, r in rows.items() if r["committed"]] == [3, 5]
+  assert rows[5]["latest"] is True
+  (d / "ckpt-5.flax").write_bytes(b"")
+  result = inspection.verify_path(str(d))
+  assert result["checked"] == 2
+  assert result["problems"] == [f"{d / 'ckpt-5.flax'} at byte 0: empty file"]
