@@ -9,6 +9,8 @@ root and on the GCS emulator.
 """
 
 import json
+import logging
+import os
 import time
 
 import pytest
@@ -141,3 +143,82 @@ def test_a_lease_lapsed_unnoticed_leaves_its_lock_on_release(tmp_path,
   held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
   held.release()  # nobody called check(): the age alone decides
   assert storage.read_bytes(path) == mine
+
+
+def _lost_records(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.levelno == logging.ERROR and "lost the lock" in r.getMessage()]
+
+
+@pytest.mark.parametrize("replacement", ["thief", "bare", "garbage",
+                                         "removed"])
+def test_a_lost_lease_names_the_new_holder_as_far_as_known(
+    tmp_path, monkeypatch, caplog, replacement):
+  """The error (and the one log line) says who holds the lock now: host,
+  pid and since of a full record, `?` for what a record lacks, and that the
+  lock object was replaced or removed when it names nobody."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  rest = "; this migration writes nothing more there"
+  expected = {
+      "thief": f"lost the lock on {root} to thief-host pid 4242 (since now)",
+      "bare": f"lost the lock on {root} to ? pid ? (since ?)",
+      "garbage": f"lost the lock on {root}: its lock object {path} was "
+                 "replaced or removed",
+      "removed": f"lost the lock on {root}: its lock object {path} was "
+                 "replaced or removed",
+  }[replacement] + rest
+  try:
+    if replacement == "removed":
+      storage.remove(path)
+    else:
+      with storage.atomic_writer(path) as write:
+        write({"thief": _thief(),
+               "bare": json.dumps({"token": "other"}).encode("utf-8"),
+               "garbage": b"\xff not a lock"}[replacement])
+    with caplog.at_level(logging.ERROR):
+      for _ in range(2):  # lost once, logged once, raised every time
+        with pytest.raises(errors.MigrationError) as raised:
+          lease_lib.ensure_held(root)
+        assert str(raised.value) == expected
+    assert _lost_records(caplog) == [expected]
+  finally:
+    held.release()
+  assert storage.exists(path) is (replacement != "removed")
+
+
+def test_a_lapsed_lease_whose_lock_was_taken_names_the_taker(tmp_path,
+                                                             monkeypatch):
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    _steal(path)
+    mono, wall = held._ok  # pylint: disable=protected-access
+    held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
+    with pytest.raises(errors.MigrationError) as raised:
+      held.check()
+    assert str(raised.value) == (
+        f"lost the lock on {root} to thief-host pid 4242 (since now); this "
+        "migration writes nothing more there")
+  finally:
+    held.release()
+  assert storage.read_bytes(path) == _thief()
+
+
+def test_a_lapsed_lease_whose_lock_cannot_be_read_says_why(tmp_path,
+                                                           monkeypatch):
+  """By its own clock the holder knows it lapsed, even when the lock cannot
+  be read (here it is a directory now: an OSError)."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    storage.remove(path)
+    os.mkdir(path)
+    mono, wall = held._ok  # pylint: disable=protected-access
+    held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
+    with pytest.raises(errors.MigrationError) as raised:
+      held.check()
+    assert str(raised.value) == (
+        f"lost the lock on {root}: not refreshed for 100 s, longer than its "
+        "60 s lease (paused, or the store unreachable), so another migration "
+        "may take it over; this migration writes nothing more there")
+  finally:
+    held.release()
+  assert os.path.isdir(path)
