@@ -495,6 +495,53 @@ def test_a_string_no_release_reads_names_its_bad_escape(tmp_path):
         r"29: bad escape in a string: " + why, str(got)), str(got)
 
 
+@pytest.mark.parametrize("text, where_and_what", [
+    ("model_checkpoint_path: 12\n",
+     "line 1, column 24: expected a string for model_checkpoint_path, got '12'"),
+    ("model_checkpoint_path: ",
+     "line 1, column 24: expected a string for model_checkpoint_path, got the "
+     "end of the file"),
+    ("model_checkpoint_path: 'x\"\n",
+     "line 1, column 24: expected a string for model_checkpoint_path, got a "
+     "string not closed on its line"),
+    ('model_checkpoint_path: ["x"]\n',
+     "line 1, column 24: expected a string for model_checkpoint_path, got '['"),
+    ('all_model_checkpoint_paths: ["a", 3]\n',
+     "line 1, column 35: expected a string for all_model_checkpoint_paths, "
+     "got '3'"),
+    ('model_checkpoint_path: "a"\nlast_preserved_timestamp: "x"\n',
+     "line 2, column 27: not a number: '\"x\"'"),
+    ('all_model_checkpoint_timestamps: [1, "a"]\n',
+     "line 1, column 38: not a number: '\"a\"'"),
+    ('model_checkpoint_path: "a"\nlast_preserved_timestamp:',
+     "line 2, column 26: expected a number for last_preserved_timestamp, got "
+     "the end of the file"),
+    ('all_model_checkpoint_paths: ["a" "b"\nmodel_checkpoint_path: "x"\n',
+     "line 2, column 1: expected ',' or ']' in all_model_checkpoint_paths"),
+    ("all_model_checkpoint_timestamps: [1 2]\n",
+     "line 1, column 37: expected ',' or ']' in "
+     "all_model_checkpoint_timestamps"),
+    ("all_model_checkpoint_timestamps: [1, 2\n",
+     "line 2, column 1: expected ',' or ']' in all_model_checkpoint_timestamps"),
+    ('Model_Checkpoint_Path: "x"',
+     "line 1, column 1: unknown field 'Model_Checkpoint_Path'"),
+    ("x" * 50 + ": 1\n", f"line 1, column 1: unknown field {'x' * 40!r}..."),
+    ('\n\n  model_checkpoint_path: "a";;\n',
+     "line 3, column 30: unknown field ';'"),
+    ('model_checkpoint_path "x"\n',
+     "line 1, column 23: expected ':' after model_checkpoint_path"),
+    ('model_checkpoint_path: "ok" "\\351"\n',
+     "line 1, column 24: string not UTF-8 once unescaped (byte 2)"),
+])
+def test_syntax_errors_say_where_and_what(tmp_path, text, where_and_what):
+  write_state(tmp_path, text)
+  with pytest.raises(storage.CheckpointStateError) as raised:
+    state_file.read_checkpoint_state(str(tmp_path), strict=True)
+  assert str(raised.value) == (
+      f"checkpoint state file {tmp_path / 'checkpoint'}: cannot parse: "
+      f"{where_and_what}")
+
+
 def test_binary_state_file_is_none(tmp_path):
   (tmp_path / "checkpoint").write_bytes(b"\x00\xff\xfe\x80garbage")
   assert state_file.read_checkpoint_state(str(tmp_path)) is None
