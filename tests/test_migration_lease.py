@@ -8,6 +8,7 @@ here the refresher is driven directly (and by its own thread) on a local
 root and on the GCS emulator.
 """
 
+import hashlib
 import json
 import logging
 import os
@@ -222,3 +223,142 @@ def test_a_lapsed_lease_whose_lock_cannot_be_read_says_why(tmp_path,
   finally:
     held.release()
   assert os.path.isdir(path)
+
+
+def test_a_lock_that_cannot_be_read_is_left_to_the_lease_clock(
+    tmp_path, monkeypatch, caplog):
+  """`ensure_held` reads the lock before a write; a read that fails (here
+  the lock is a directory now) is logged naming the lock, and the lease's
+  own clock decides: still within it, the holder goes on."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    storage.remove(path)
+    os.mkdir(path)
+    with caplog.at_level(logging.WARNING):
+      lease_lib.ensure_held(root)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"{root}: could not read the lock {path} (")
+    assert path in warnings[0][len(f"{root}: could not read the lock {path} ("):]
+  finally:
+    held.release()
+
+
+def test_each_refresh_records_when(tmp_path, monkeypatch):
+  _, path, held = _held(tmp_path, monkeypatch)
+  try:
+    before = json.loads(storage.read_bytes(path))
+    held.record["refreshed"] = "2000-01-01T00:00:00+00:00"
+    held._refresh()  # pylint: disable=protected-access
+    after = json.loads(storage.read_bytes(path))
+  finally:
+    held.release()
+  assert set(after) == set(before)
+  assert after["refreshed"] >= before["refreshed"]  # ISO 8601, UTC
+  assert {k: v for k, v in after.items() if k not in ("refreshed", "seq")} == (
+      {k: v for k, v in before.items() if k not in ("refreshed", "seq")})
+
+
+def test_a_refresh_after_the_lease_lapsed_loses_it(tmp_path, monkeypatch):
+  root, path, held = _held(tmp_path, monkeypatch)
+  mine = storage.read_bytes(path)
+  try:
+    mono, wall = held._ok  # pylint: disable=protected-access
+    held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
+    held._refresh()  # pylint: disable=protected-access
+    assert storage.read_bytes(path) == mine  # not rewritten
+    with pytest.raises(errors.MigrationError) as raised:
+      held.check()
+    assert str(raised.value).startswith(
+        f"lost the lock on {root}: not refreshed for 100 s, longer than its "
+        "60 s lease")
+  finally:
+    held.release()
+  assert storage.read_bytes(path) == mine
+
+
+# Taking over a stale lock, on a local root (the same code as on a bucket,
+# where test_migration_destination_buckets.py races real processes): the
+# lock's modification time is set back instead of waiting for it to age.
+
+
+def _stale_thief(tmp_path, age=200.0):
+  root = str(tmp_path)
+  path = storage.join(root, ".clu_ckpt.lock")
+  _steal(path)
+  old = time.time() - age
+  os.utime(path, (old, old))
+  marker = path + lease_lib.TAKEOVER_INFIX + hashlib.sha256(
+      _thief()).hexdigest()[:16]
+  return root, path, marker
+
+
+def _claim(host, pid):
+  return json.dumps({"host": host, "pid": pid, "since": "then",
+                     "token": "claim"}).encode("utf-8")
+
+
+def test_a_stale_lock_is_taken_over_under_a_marker_of_its_bytes(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    record = json.loads(storage.read_bytes(path))
+    assert record == held.record
+    assert json.loads(storage.read_bytes(marker)) == {
+        k: held.record[k] for k in ("host", "pid", "since", "token")}
+    lease_lib.ensure_held(root)
+  finally:
+    held.release()
+  assert not storage.exists(path)
+  assert storage.exists(marker)  # kept: a late contender cannot claim again
+
+
+def test_a_lock_fresh_by_its_modification_time_is_not_taken_over(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path, age=60.0)  # < 1.5 leases + 1
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host thief-host, pid 4242,"
+      f" since now; lock {path}); wait for it, or stop it")
+  assert storage.read_bytes(path) == _thief()
+  assert not storage.exists(marker)
+
+
+def test_a_stale_lock_claimed_by_another_is_left_to_it(tmp_path,
+                                                      monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  storage.create_exclusive(marker, _claim("claimer", 7))
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host claimer, pid 7, "
+      f"since then; lock {path}); wait for it, or stop it")
+  assert storage.read_bytes(path) == _thief()
+  assert storage.read_bytes(marker) == _claim("claimer", 7)
+
+
+def test_a_dead_claimant_is_stepped_over_to_a_marker_all_derive(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  storage.create_exclusive(marker, _claim("dead", 9))
+  old = time.time() - 200
+  os.utime(marker, (old, old))  # its claimant never wrote the lock
+  key = marker.rsplit("-", 1)[1]
+  second = path + lease_lib.TAKEOVER_INFIX + hashlib.sha256(
+      key.encode("ascii") + _claim("dead", 9)).hexdigest()[:16]
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    assert json.loads(storage.read_bytes(path))["token"] == (
+        held.record["token"])
+    assert json.loads(storage.read_bytes(second))["token"] == (
+        held.record["token"])
+    assert storage.read_bytes(marker) == _claim("dead", 9)
+  finally:
+    held.release()
