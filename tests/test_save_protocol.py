@@ -83,6 +83,33 @@ def test_sweep_without_checkpoints_touches_nothing(tmp_path):
   assert _names(tmp_path) == {"ckpt-1.flax", "ckpt-1_temp"}
 
 
+def _unmanaged(directory: pathlib.Path, saves: int):
+  """A manager of `saves` checkpoints listed but not managed: the state
+  file's last_preserved_timestamp is in the future (a clock ahead of this
+  one), so `manager.checkpoints` is empty while the latest is listed."""
+  _setup(directory, saves=saves)
+  state_file = directory / "checkpoint"
+  lines = [l for l in state_file.read_text().splitlines()
+           if not l.startswith("last_preserved_timestamp")]
+  lines.append("last_preserved_timestamp: 9999999999.0")
+  state_file.write_text("\n".join(lines) + "\n")
+  manager = tf_manager.new_manager(tf.train.Checkpoint(v=tf.Variable(1)),
+                                   str(directory), max_to_keep=5,
+                                   checkpoint_name="ckpt")
+  assert manager.checkpoints == []
+  assert manager.latest_checkpoint == f"{directory}/ckpt-{saves}"
+  return manager
+
+
+def test_sweep_with_nothing_managed_touches_nothing(tmp_path):
+  manager = _unmanaged(tmp_path, saves=2)
+  (tmp_path / "ckpt-1_temp").mkdir()
+  (tmp_path / "ckpt-0.flax").write_bytes(b"x")
+  before = _names(tmp_path)
+  save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
+  assert _names(tmp_path) == before
+
+
 def test_sweep_failure_is_only_logged(tmp_path, monkeypatch, caplog):
   _, manager = _setup(tmp_path, saves=2, max_to_keep=1)
   (tmp_path / "ckpt-1.flax").write_bytes(b"x")
