@@ -157,6 +157,38 @@ def test_future_checkpoints_include_listed_ones_after_a_gap(tmp_path):
   assert future[f"{tmp_path}/ckpt-3"] == []
 
 
+def test_future_checkpoints_include_listed_ones_around_a_gap(tmp_path):
+  _, manager = _setup(tmp_path, saves=5)
+  for name in _files_of(4):
+    (tmp_path / name).unlink()
+  future = save_protocol.future_checkpoints(manager, str(tmp_path), "ckpt", 2)
+  assert {os.path.basename(c): {os.path.basename(p) for p in paths}
+          for c, paths in future.items()} == {
+              "ckpt-3": _files_of(3), "ckpt-4": set(), "ckpt-5": _files_of(5)}
+
+
+def test_a_latest_checkpoint_outside_is_no_future_one(tmp_path, caplog):
+  _setup(tmp_path, saves=3)
+  elsewhere = tmp_path.parent / "elsewhere"
+  (tmp_path / "checkpoint").write_text(
+      f'model_checkpoint_path: "{elsewhere}/ckpt-9"\n' + "".join(
+          f'all_model_checkpoint_paths: "{p}"\n'
+          for p in (f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2",
+                    f"{elsewhere}/ckpt-9")))
+  manager = tf_manager.new_manager(tf.train.Checkpoint(v=tf.Variable(1)),
+                                   str(tmp_path), max_to_keep=5,
+                                   checkpoint_name="ckpt")
+  assert manager.latest_checkpoint == f"{elsewhere}/ckpt-9"
+  with caplog.at_level(logging.WARNING):
+    future = save_protocol.future_checkpoints(manager, str(tmp_path), "ckpt",
+                                              1)
+  assert sorted(future) == [f"{tmp_path}/ckpt-2", f"{tmp_path}/ckpt-3"]
+  assert [r.getMessage() for r in caplog.records
+          if r.getMessage().startswith("The latest checkpoint")] == [
+              f"The latest checkpoint {elsewhere}/ckpt-9 is outside "
+              f"{tmp_path}: it is left alone"]
+
+
 def test_future_checkpoints_are_unlisted_before_their_files_go(
     tmp_path, monkeypatch):
   _, manager = _setup(tmp_path, saves=4)
