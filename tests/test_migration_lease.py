@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 
 import pytest
@@ -152,7 +153,7 @@ def _lost_records(caplog):
 
 
 @pytest.mark.parametrize("replacement", ["thief", "bare", "garbage",
-                                         "removed"])
+                                         "not_a_record", "removed"])
 def test_a_lost_lease_names_the_new_holder_as_far_as_known(
     tmp_path, monkeypatch, caplog, replacement):
   """The error (and the one log line) says who holds the lock now: host,
@@ -165,6 +166,8 @@ def test_a_lost_lease_names_the_new_holder_as_far_as_known(
       "bare": f"lost the lock on {root} to ? pid ? (since ?)",
       "garbage": f"lost the lock on {root}: its lock object {path} was "
                  "replaced or removed",
+      "not_a_record": f"lost the lock on {root}: its lock object {path} "
+                      "was replaced or removed",
       "removed": f"lost the lock on {root}: its lock object {path} was "
                  "replaced or removed",
   }[replacement] + rest
@@ -175,7 +178,8 @@ def test_a_lost_lease_names_the_new_holder_as_far_as_known(
       with storage.atomic_writer(path) as write:
         write({"thief": _thief(),
                "bare": json.dumps({"token": "other"}).encode("utf-8"),
-               "garbage": b"\xff not a lock"}[replacement])
+               "garbage": b"\xff not a lock",
+               "not_a_record": b'["not", "a", "record"]'}[replacement])
     with caplog.at_level(logging.ERROR):
       for _ in range(2):  # lost once, logged once, raised every time
         with pytest.raises(errors.MigrationError) as raised:
@@ -300,10 +304,17 @@ def _claim(host, pid):
 
 
 def test_a_stale_lock_is_taken_over_under_a_marker_of_its_bytes(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, caplog):
   monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
   root, path, marker = _stale_thief(tmp_path)
-  held = lease_lib.Lease.acquire(root, path)
+  with caplog.at_level(logging.INFO):
+    held = lease_lib.Lease.acquire(root, path)
+  taking = [r.getMessage() for r in caplog.records
+            if "taking over" in r.getMessage()]
+  assert len(taking) == 1 and re.fullmatch(
+      f"{re.escape(root)}: taking over the lock last held by host "
+      r"thief-host, pid 4242 \(since now\), not refreshed for 2\d\d s",
+      taking[0]), taking
   try:
     record = json.loads(storage.read_bytes(path))
     assert record == held.record
@@ -360,5 +371,102 @@ def test_a_dead_claimant_is_stepped_over_to_a_marker_all_derive(
     assert json.loads(storage.read_bytes(second))["token"] == (
         held.record["token"])
     assert storage.read_bytes(marker) == _claim("dead", 9)
+  finally:
+    held.release()
+
+
+def test_the_locked_error_names_the_holder_as_far_as_known():
+  message = "r: another migration is writing here ({}; lock r/l); wait for " \
+            "it, or stop it"
+  for holder, who in (
+      ({"host": "h", "pid": 1, "since": "s"}, "host h, pid 1, since s"),
+      ({"token": "t"}, "host ?, pid ?, since ?"),
+      ({}, "a process")):
+    error = lease_lib.locked_error("r", "r/l", holder)
+    assert str(error) == message.format(who)
+    assert isinstance(error, errors.DestinationLockedError)
+
+
+def test_a_stale_lock_is_judged_by_its_holders_longer_lease(tmp_path,
+                                                           monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root = str(tmp_path)
+  path = storage.join(root, ".clu_ckpt.lock")
+  record = json.loads(_thief())
+  for theirs, taken in ((600, False), ("junk", True), (float("nan"), True)):
+    record["lease_seconds"] = theirs
+    with storage.atomic_writer(path) as write:
+      write(json.dumps(record).encode("utf-8"))
+    old = time.time() - 200  # stale by 60 s leases, not by 600 s ones
+    os.utime(path, (old, old))
+    if not taken:
+      with pytest.raises(errors.DestinationLockedError,
+                         match="host thief-host, pid 4242"):
+        lease_lib.Lease.acquire(root, path)
+      continue
+    held = lease_lib.Lease.acquire(root, path)
+    held.release()
+    assert not storage.exists(path), theirs
+
+
+def test_a_lock_rewritten_while_looked_at_is_alive(tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  stat = storage.stat
+
+  def refreshed_meanwhile(p):
+    if p == path:  # its holder rewrites it between our two reads
+      with storage.atomic_writer(path) as write:
+        write(_thief(token="refreshed"))
+    return stat(p)
+
+  monkeypatch.setattr(storage, "stat", refreshed_meanwhile)
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host thief-host, pid 4242,"
+      f" since now; lock {path}); wait for it, or stop it")
+  assert not storage.exists(marker)
+
+
+def test_markers_that_cannot_be_cleaned_are_only_logged(tmp_path, monkeypatch,
+                                                        caplog):
+  def failing_glob(pattern):
+    raise OSError(5, "Input/output error", pattern)
+
+  monkeypatch.setattr(storage, "glob", failing_glob)
+  with caplog.at_level(logging.WARNING):
+    root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    assert [r.getMessage() for r in caplog.records
+            if "takeover markers" in r.getMessage()] == [
+                f"{root}: could not clean old takeover markers: [Errno 5] "
+                f"Input/output error: '{storage.glob_escape(path)}"
+                f"{lease_lib.TAKEOVER_INFIX}*'"]
+    lease_lib.ensure_held(root)
+  finally:
+    held.release()
+
+
+def test_a_refresh_that_fails_is_retried_and_logged(tmp_path, monkeypatch,
+                                                    caplog):
+  root, path, held = _held(tmp_path, monkeypatch, "0.6")  # every 0.2 s
+  read_bytes = storage.read_bytes
+
+  def failing_read(p, *args, **kwargs):
+    if p == path:
+      raise OSError(5, "Input/output error", p)
+    return read_bytes(p, *args, **kwargs)
+
+  try:
+    with caplog.at_level(logging.WARNING):
+      monkeypatch.setattr(storage, "read_bytes", failing_read)
+      deadline = time.monotonic() + 10
+      expected = (f"{root}: could not refresh the lock {path} ([Errno 5] "
+                  f"Input/output error: '{path}'); retrying")
+      while expected not in [r.getMessage() for r in caplog.records]:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.05)
+      monkeypatch.setattr(storage, "read_bytes", read_bytes)
   finally:
     held.release()
