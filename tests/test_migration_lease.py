@@ -450,7 +450,7 @@ def test_markers_that_cannot_be_cleaned_are_only_logged(tmp_path, monkeypatch,
 
 def test_a_refresh_that_fails_is_retried_and_logged(tmp_path, monkeypatch,
                                                     caplog):
-  root, path, held = _held(tmp_path, monkeypatch, "0.6")  # every 0.2 s
+  root, path, held = _held(tmp_path, monkeypatch, "1.5")  # every 0.5 s
   read_bytes = storage.read_bytes
 
   def failing_read(p, *args, **kwargs):
@@ -468,5 +468,30 @@ def test_a_refresh_that_fails_is_retried_and_logged(tmp_path, monkeypatch,
         assert time.monotonic() < deadline, caplog.text
         time.sleep(0.05)
       monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    # Retried after a sixth of the lease, well before it lapses.
+    deadline = time.monotonic() + 1.0
+    while json.loads(storage.read_bytes(path))["seq"] < 1:
+      assert time.monotonic() < deadline, "not retried"
+      time.sleep(0.05)
+    lease_lib.ensure_held(root)
   finally:
     held.release()
+
+
+def test_a_lock_that_cannot_be_removed_on_release_is_left_to_lapse(
+    tmp_path, monkeypatch, caplog):
+  root, path, held = _held(tmp_path, monkeypatch)
+  remove = storage.remove
+
+  def failing_remove(p):
+    raise OSError(5, "Input/output error", p)
+
+  monkeypatch.setattr(storage, "remove", failing_remove)
+  with caplog.at_level(logging.WARNING):
+    held.release()
+  monkeypatch.setattr(storage, "remove", remove)
+  assert [r.getMessage() for r in caplog.records
+          if r.levelno == logging.WARNING] == [
+              f"{root}: could not remove the lock {path} ([Errno 5] "
+              f"Input/output error: '{path}'); it lapses after 91 s"]
+  assert storage.exists(path)
