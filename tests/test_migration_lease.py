@@ -8,11 +8,13 @@ here the refresher is driven directly (and by its own thread) on a local
 root and on the GCS emulator.
 """
 
+import datetime
 import hashlib
 import json
 import logging
 import os
 import re
+import socket
 import time
 
 import pytest
@@ -495,3 +497,20 @@ def test_a_lock_that_cannot_be_removed_on_release_is_left_to_lapse(
               f"{root}: could not remove the lock {path} ([Errno 5] "
               f"Input/output error: '{path}'); it lapses after 91 s"]
   assert storage.exists(path)
+
+
+def test_the_lock_record_says_who_since_when_and_for_how_long(tmp_path,
+                                                             monkeypatch):
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    record = json.loads(storage.read_bytes(path))
+  finally:
+    held.release()
+  assert sorted(record) == ["host", "lease_seconds", "pid", "refreshed",
+                            "seq", "since", "token"]
+  assert (record["host"], record["pid"], record["lease_seconds"],
+          record["seq"]) == (socket.gethostname(), os.getpid(), 60.0, 0)
+  for key in ("since", "refreshed"):
+    assert datetime.datetime.fromisoformat(record[key]).utcoffset() == (
+        datetime.timedelta(0))
+  assert len(record["token"]) == 32
