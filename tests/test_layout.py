@@ -141,8 +141,9 @@ def test_multihost_latest_newest_common_from_the_lowest_host(tmp_path,
   with caplog.at_level(logging.INFO, logger="absl"):
     path = layout.multihost_latest(base + "/", "ckpt")
   assert path == f"{base}-1/ckpt-3"
-  assert any(path in r.getMessage() and "host 1" in r.getMessage()
-             for r in caplog.records)
+  assert (f"{base}/ is a MultihostCheckpoint base: loading {path}, from host "
+          f"1's directory {base}-1 (checkpoint 3 is the newest every host "
+          "has)") in [r.getMessage() for r in caplog.records]
   with pytest.raises(errors.CheckpointNotFoundError, match="model-<number>"):
     layout.multihost_latest(base, "model")  # another name: none in common
 
@@ -191,3 +192,31 @@ def test_newest_common_of_no_hosts_or_nothing_common_is_none(tmp_path):
   d1 = _host(tmp_path / "c-1", [2])
   assert layout.newest_common({0: d0, 1: d1}, "ckpt") is None
   assert layout.newest_common({0: d0}, "ckpt") == (1, {d0: f"{d0}/ckpt-1"})
+
+
+def test_has_files_needs_all_three_kinds(tmp_path):
+  kinds = (".flax", ".index", ".data-00000-of-00001")
+  for i, missing in enumerate((None,) + kinds):
+    for ext in kinds:
+      if ext != missing:
+        (tmp_path / f"ckpt-{i}{ext}").write_bytes(b"x")
+    assert layout.has_files(str(tmp_path / f"ckpt-{i}")) is (
+        missing is None), missing
+  listing = {}
+  assert layout.has_files(str(tmp_path / "ckpt-0"), listing)
+  assert str(tmp_path) in listing
+  assert not layout.has_files(str(tmp_path / "gone" / "ckpt-0"), listing)
+
+
+def test_debris_names_may_hold_any_character():
+  names = {"ckpt-1.flax.tmp-a\nb", "ckpt-1.flax"}
+  assert layout.is_debris("ckpt-1.flax.tmp-a\nb", names, "ckpt", 3, 4)
+  assert not layout.is_debris("ckpt-1.flax.tmp-a\nb", names, "ckpt", 1, 4)
+
+
+@pytest.mark.parametrize("base", ["runX", "run "])
+def test_host_directories_are_the_bases_own(tmp_path, base):
+  for name in (f"{base}-0", f"{base.rstrip('X ')}-1", f"{base}-x"):
+    (tmp_path / name).mkdir()
+  assert layout.host_directories(str(tmp_path / base)) == {
+      0: str(tmp_path / f"{base}-0")}
