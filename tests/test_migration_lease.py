@@ -514,3 +514,17 @@ def test_the_lock_record_says_who_since_when_and_for_how_long(tmp_path,
     assert datetime.datetime.fromisoformat(record[key]).utcoffset() == (
         datetime.timedelta(0))
   assert len(record["token"]) == 32
+
+
+def test_a_root_is_held_however_it_is_spelled(tmp_path, monkeypatch):
+  """`ensure_held` finds the lease of `root/` as of `root`; the refresher is
+  a named daemon thread (it never keeps a dying process alive)."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    assert held._thread.daemon  # pylint: disable=protected-access
+    assert held._thread.name == f"clu_ckpt-lease {root}"  # pylint: disable=protected-access
+    _steal(path)
+    with pytest.raises(errors.MigrationError, match="thief-host pid 4242"):
+      lease_lib.ensure_held(root + "/")
+  finally:
+    held.release()
