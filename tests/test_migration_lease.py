@@ -528,3 +528,13 @@ def test_a_root_is_held_however_it_is_spelled(tmp_path, monkeypatch):
       lease_lib.ensure_held(root + "/")
   finally:
     held.release()
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "inf", "nan", "soon"])
+def test_a_bad_lease_length_is_refused_naming_the_variable(monkeypatch, text):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, f" {text} ")
+  with pytest.raises(errors.MigrationError) as raised:
+    lease_lib.lease_seconds()
+  assert str(raised.value) == (
+      f"CLU_CKPT_LOCK_LEASE_SECONDS={text!r}: expected a positive number of "
+      "seconds")
