@@ -220,3 +220,12 @@ def test_host_directories_are_the_bases_own(tmp_path, base):
     (tmp_path / name).mkdir()
   assert layout.host_directories(str(tmp_path / base)) == {
       0: str(tmp_path / f"{base}-0")}
+
+
+def test_debris_bounds_are_the_latest_and_the_oldest_kept_number():
+  # TensorFlow's `_temp/` up to the latest number (that of the latest
+  # itself is left from its write); a `.flax` only below the oldest kept.
+  assert layout.is_debris("ckpt-4_temp", set(), "ckpt", 3, 4)
+  assert not layout.is_debris("ckpt-5_temp", set(), "ckpt", 3, 4)
+  assert not layout.is_debris("ckpt-3.flax", {"ckpt-3.flax"}, "ckpt", 3, 4)
+  assert layout.is_debris("ckpt-2.flax", {"ckpt-2.flax"}, "ckpt", 3, 4)
