@@ -452,7 +452,7 @@ def test_markers_that_cannot_be_cleaned_are_only_logged(tmp_path, monkeypatch,
 
 def test_a_refresh_that_fails_is_retried_and_logged(tmp_path, monkeypatch,
                                                     caplog):
-  root, path, held = _held(tmp_path, monkeypatch, "1.5")  # every 0.5 s
+  root, path, held = _held(tmp_path, monkeypatch, "3")  # every 1 s
   read_bytes = storage.read_bytes
 
   def failing_read(p, *args, **kwargs):
@@ -470,8 +470,8 @@ def test_a_refresh_that_fails_is_retried_and_logged(tmp_path, monkeypatch,
         assert time.monotonic() < deadline, caplog.text
         time.sleep(0.05)
       monkeypatch.setattr(storage, "read_bytes", read_bytes)
-    # Retried after a sixth of the lease, well before it lapses.
-    deadline = time.monotonic() + 1.0
+    # Retried after a sixth of the lease (0.5 s), well before it lapses.
+    deadline = time.monotonic() + 1.5
     while json.loads(storage.read_bytes(path))["seq"] < 1:
       assert time.monotonic() < deadline, "not retried"
       time.sleep(0.05)
