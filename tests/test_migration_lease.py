@@ -218,8 +218,8 @@ def test_a_lapsed_lease_whose_lock_cannot_be_read_says_why(tmp_path,
   try:
     storage.remove(path)
     os.mkdir(path)
-    mono, wall = held._ok  # pylint: disable=protected-access
-    held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
+    # Last written 100 s ago by both clocks (to the millisecond).
+    held._ok = (time.monotonic() - 100, time.time() - 100)  # pylint: disable=protected-access
     with pytest.raises(errors.MigrationError) as raised:
       held.check()
     assert str(raised.value) == (
@@ -270,8 +270,7 @@ def test_a_refresh_after_the_lease_lapsed_loses_it(tmp_path, monkeypatch):
   root, path, held = _held(tmp_path, monkeypatch)
   mine = storage.read_bytes(path)
   try:
-    mono, wall = held._ok  # pylint: disable=protected-access
-    held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
+    held._ok = (time.monotonic() - 100, time.time() - 100)  # pylint: disable=protected-access
     held._refresh()  # pylint: disable=protected-access
     assert storage.read_bytes(path) == mine  # not rewritten
     with pytest.raises(errors.MigrationError) as raised:
