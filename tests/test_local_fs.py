@@ -632,6 +632,34 @@ def test_einval_from_an_ordinary_write_is_an_error(tmp_path, monkeypatch):
   assert os.listdir(tmp_path) == []
 
 
+def test_o_direct_refused_at_once_means_ordinary_writes(tmp_path, monkeypatch):
+  """A file system refusing O_DIRECT (fcntl's EINVAL): every write ordinary,
+  and an ordinary write's EINVAL is an error, not a refusal to retry."""
+  if not _O_DIRECT:
+    pytest.skip("no O_DIRECT here")
+  real_fcntl = fcntl.fcntl
+
+  def refusing(fd, cmd, *args):
+    if cmd == fcntl.F_SETFL and args and args[0] & _O_DIRECT:
+      raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    return real_fcntl(fd, cmd, *args)
+
+  monkeypatch.setattr(fcntl, "fcntl", refusing)
+  writes = _Writes(monkeypatch, tmp_path)
+  data = os.urandom(2 * _STAGE + 3)
+  with local_fs.LocalFileSystem().atomic_writer(str(tmp_path / "f")) as write:
+    write(data)
+  assert (tmp_path / "f").read_bytes() == data
+  assert writes.summary() == [(_STAGE, False), (_STAGE, False), (3, False)]
+  _Writes(monkeypatch, tmp_path,
+          fail=lambda i, call: errno.EINVAL if i == 0 else 0)
+  with pytest.raises(OSError) as raised:
+    with local_fs.LocalFileSystem().atomic_writer(str(tmp_path / "g")) as w:
+      w(data)
+  assert raised.value.errno == errno.EINVAL
+  assert sorted(os.listdir(tmp_path)) == ["f"]
+
+
 def test_without_o_direct_large_pieces_skip_the_staging(tmp_path,
                                                         monkeypatch):
   if _O_DIRECT:
