@@ -50,11 +50,6 @@ from clu_ckpt.migration import options
 
 _MIB = 2**20
 
-# `clu-ckpt migrate`'s options, defined in `clu_ckpt.migration.options`.
-add_migrate_options = options.add_migrate_options
-TEMPLATE_SPEC = options.TEMPLATE_SPEC
-load_template = options.load_template
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs the command line.
@@ -252,7 +247,8 @@ def _add_verify(subparsers: Any) -> None:
           "Checks that every committed .flax decodes completely, its "
           "TensorFlow files are present and multihost directories agree on "
           "common numbers; for an Orbax root, that every step is complete "
-          "(and with --source, that it matches its CLU source's headers). "
+          "(and with --source, that it matches its CLU source's headers and "
+          "holds every checkpoint the source keeps). "
           "Exit status 0 only when everything holds."))
   p.add_argument("path", metavar="PATH",
                  help="CLU checkpoint directory, MultihostCheckpoint base, "
@@ -274,6 +270,7 @@ def _run_verify(args: argparse.Namespace) -> int:
       return 2
     result = inspection.verify_orbax_root(args.path, args.source)
     _name_the_recorded_source(args.path, args.source, result)
+    _name_unmigrated_checkpoints(args.path, args.source, result)
   else:
     report = progress.VerifyReport(sys.stderr, sys.stderr.isatty())
     try:
@@ -306,6 +303,46 @@ def _name_the_recorded_source(root: str, source: str, result: dict) -> None:
   result["problems"].insert(0, (
       f"{source}: not the source {root} was migrated from; its manifest names "
       f"{', '.join(recorded)}: verify {root} --source {recorded[0]}"))
+  result["ok"] = False
+
+
+def _name_unmigrated_checkpoints(root: str, source: str,
+                                 result: dict) -> None:
+  """Adds a problem when `source` keeps checkpoints that were never migrated
+  into `root` (`--latest`, `--number`, or saved after the migration): the
+  question `verify --source` answers before a source is deleted.
+
+  A checkpoint counts as migrated when the root's manifest records it (even
+  if Orbax has since pruned its step) or a step's migration metadata names
+  it.
+  """
+  from clu_ckpt import errors  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import plan  # pylint: disable=g-import-not-at-top
+  try:
+    src = plan.discover(source)
+  except (errors.CluCkptError, OSError, ValueError):
+    return  # verify_orbax_root has said why the source cannot be read
+  recorded = _migration_manifest(root).get(src.path, [])
+  done = {c.get("number") for c in recorded}
+  for number in orbax_root.list_steps(root)[0]:
+    try:
+      meta = json.loads(storage.read_bytes(storage.join(
+          root, str(number), "metadata", "metadata")))
+    except (OSError, ValueError):
+      continue
+    if isinstance(meta, dict) and meta.get("source") == src.path:
+      done.add(meta.get("clu_checkpoint_number"))
+  missing = [c.name for c in src.checkpoints if c.number not in done]
+  if not missing:
+    return
+  shown = ", ".join(missing[:10]) + (
+      f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+  result["problems"].append(
+      f"{src.path}: {len(missing)} of {len(src.checkpoints)} checkpoint(s) "
+      f"not migrated into {root} ({shown}): deleting the source would lose "
+      f"them; `clu-ckpt migrate {source} {root}` migrates them")
   result["ok"] = False
 
 

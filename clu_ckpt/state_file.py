@@ -312,21 +312,62 @@ def _unusable(path: str, problem: str, strict: bool,
 # escape runs and comment runs cost no memory beyond the text. Python 3.10
 # gets the same patterns without it (none needs it for its meaning): still
 # linear in time, but each comment of a run and each escape of a string keeps
-# ~120-260 bytes of backtracking state while it is matched (a file of 8 MiB
-# of `#` lines: 1 GiB).
+# ~90-130 bytes of backtracking state while it is matched (4 MiB of `#`
+# lines cost 513 MiB). There a skip takes at most _SKIP_COMMENTS comments
+# (`_token` and `_past_comments` go on past longer runs), and `_bounded`
+# refuses lines over MAX_LINE_PY310 (bounding a string's escapes: a line of
+# 1 Mi characters of escapes costs ~90 MiB there, 2 MiB on 3.11).
+_PY310 = sys.version_info < (3, 11)
+
+
 def _compile(pattern: Any) -> re.Pattern:
-  if sys.version_info < (3, 11):
+  if _PY310:
     strip = r"(?<=[*+?}])\+"
     pattern = re.sub(strip.encode() if isinstance(pattern, bytes) else strip,
                      pattern[:0], pattern)
   return re.compile(pattern)
 
 
-_SKIP = r"\s*+(?:#[^\n]*+(?![^\n])\s*+)*+"  # whitespace, comments to EOL
+_SKIP_COMMENTS = 16  # Python 3.10: comments one skip takes
+# Whitespace and comments to the end of their line.
+_SKIP = r"\s*+(?:#[^\n]*+(?![^\n])\s*+)" + (
+    f"{{0,{_SKIP_COMMENTS}}}" if _PY310 else "*+")
+_SKIP_RE = _compile(_SKIP)
+MAX_LINE_PY310 = 2**20  # characters; TensorFlow writes a path per line
+_LONG_LINE_RE = re.compile(r"^[^\n]{%d}" % (MAX_LINE_PY310 + 1), re.M)
+
+
+def _bounded(text: str, py310: bool = _PY310) -> str:
+  """`text`, when Python can parse it with bounded memory.
+
+  Raises:
+    ValueError: With `py310`, a line longer than MAX_LINE_PY310.
+  """
+  long_line = _LONG_LINE_RE.search(text) if py310 else None
+  if long_line is not None:
+    line = text.count("\n", 0, long_line.start()) + 1
+    raise ValueError(
+        f"line {line}: longer than {MAX_LINE_PY310} characters, which "
+        "clu_ckpt does not read on Python 3.10 (its `re` would need memory "
+        "in proportion; TensorFlow writes one path per line)")
+  return text
+
+
+def _past_comments(text: str, pos: int) -> int:
+  """Where the whitespace and comments at `pos` end."""
+  pos = _SKIP_RE.match(text, pos).end()
+  while text.startswith("#", pos):  # a run longer than one skip takes
+    pos = _SKIP_RE.match(text, pos).end()
+  return pos
+
+
 _WORD = r"[A-Za-z_][0-9A-Za-z_+-]*+|(?:[0-9+-]|\.[0-9])[0-9A-Za-z_.+-]*+"
 _STRING = (r'"[^"\\\n]*+(?:\\.[^"\\\n]*+)*+"|'
            r"'[^'\\\n]*+(?:\\.[^'\\\n]*+)*+'")
-_LONE_STRING = rf"(?:{_STRING})(?!{_SKIP}[\"'])"  # no adjacent string to join
+# No adjacent string to join (on Python 3.10, nor more comments than a skip
+# takes, after which one might follow).
+_LONE_STRING = rf"(?:{_STRING})(?!{_SKIP}[\"'])" + (
+    rf"(?!\s*(?:#[^\n]*\n\s*){{{_SKIP_COMMENTS}}}#)" if _PY310 else "")
 _NUMBER = rf"(?!-?0[0-9])(?:{_WORD})"  # not octal-looking (an error)
 _STRING_FIELDS = ("model_checkpoint_path", "all_model_checkpoint_paths")
 _FLOAT_FIELDS = ("all_model_checkpoint_timestamps", "last_preserved_timestamp")
@@ -371,6 +412,7 @@ def _parse_text_proto(text: str,
       bad escape or number, a string that is not UTF-8 once unescaped);
       `_TooManyEntries` over MAX_STATE_ENTRIES.
   """
+  text = _bounded(text)
   fields: dict[str, list] = {n: [] for n in _STRING_FIELDS + _FLOAT_FIELDS}
   pos = bulk_from = 0
   while pos >= 0:
@@ -435,6 +477,9 @@ def _parse_run(kind: str, text: str, pos: int, fields: dict[str, list],
 def _token(text: str, pos: int) -> tuple[Optional[str], int, int]:
   """(kind, start, end) of the token after `pos`; kind None at the end."""
   m = _TOKEN_RE.match(text, pos)
+  if m.lastgroup == "char" and text[m.start("char")] == "#":
+    # Python 3.10: more comments than one skip takes.
+    m = _TOKEN_RE.match(text, _past_comments(text, m.start("char")))
   kind = m.lastgroup
   return kind, m.start(kind) if kind else m.end(), m.end()
 
@@ -497,13 +542,21 @@ def _parse_value(text: str, pos: int, name: str, fields: dict[str, list],
     what = "number" if name in _FLOAT_FIELDS else "string"
     raise _syntax_error(text, start, f"expected a {what} for {name}, got {got}")
   pieces = []
-  while m := _RUNS_RE["adjacent"].match(text, pos):
-    if text.find("\\", pos, m.end()) < 0:
+  while True:
+    begin = pos
+    m = _RUNS_RE["adjacent"].match(text, begin)
+    if m is None and _PY310:  # more comments than one skip takes?
+      begin = _past_comments(text, pos)
+      m = _RUNS_RE["adjacent"].match(text, begin)
+    if m is None:
+      break
+    if text.find("\\", begin, m.end()) < 0:
       pieces.append("".join(
-          [t[1:-1] for t in _ITEMS_RE["adjacent"].findall(text, pos, m.end())]
+          [t[1:-1] for t in _ITEMS_RE["adjacent"].findall(text, begin,
+                                                          m.end())]
       ).encode("utf-8"))
     else:
-      for t in _ITEMS_RE["adjacent"].finditer(text, pos, m.end()):
+      for t in _ITEMS_RE["adjacent"].finditer(text, begin, m.end()):
         try:
           pieces.append(_unescape(t[1], rules))
         except ValueError as e:

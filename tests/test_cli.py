@@ -609,6 +609,41 @@ def test_verify_with_the_wrong_source_names_the_recorded_one(
   assert "not the source" not in done.stdout
 
 
+@pytest.mark.orbax  # migrates
+def test_verify_with_its_source_names_checkpoints_never_migrated(
+    tmp_path, capsys):
+  """`verify ROOT --source SRC` is what an operator runs before deleting
+  SRC: it must not say OK while SRC keeps checkpoints ROOT never got."""
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  src, dst = tmp_path / "run", tmp_path / "dst"
+  ckpt = checkpoint.Checkpoint(str(src))
+  for step in (1, 2, 3):
+    ckpt.save(example_state(step))
+  assert cli.main(["migrate", str(src), str(dst), "--latest"]) == 0
+  capsys.readouterr()
+  done = _in_process(capsys, "verify", dst, "--source", src)
+  assert done.returncode == 1, done.stdout
+  assert done.stdout.splitlines()[0] == (
+      f"PROBLEM: {src}: 2 of 3 checkpoint(s) not migrated into {dst} "
+      f"(ckpt-1, ckpt-2): deleting the source would lose them; "
+      f"`clu-ckpt migrate {src} {dst}` migrates them")
+  assert cli.main(["migrate", str(src), str(dst)]) == 0
+  capsys.readouterr()
+  assert _in_process(capsys, "verify", dst, "--source", src).returncode == 0
+  # Training went on after the migration.
+  ckpt.save(example_state(4))
+  done = _in_process(capsys, "verify", dst, "--source", src)
+  assert done.returncode == 1 and "1 of 4 checkpoint(s) not migrated" in (
+      done.stdout) and "(ckpt-4)" in done.stdout, done.stdout
+  assert cli.main(["migrate", str(src), str(dst)]) == 0
+  # A step Orbax pruned since (max_to_keep) was migrated: the manifest says.
+  shutil.rmtree(dst / "1")
+  capsys.readouterr()
+  done = _in_process(capsys, "verify", dst, "--source", src)
+  assert done.returncode == 0, done.stdout
+
+
 def test_inspect_a_missing_step_of_a_migrated_root_hints_at_the_mapping(
     tmp_path, capsys, golden_copy):
   src = golden_copy("single_host")

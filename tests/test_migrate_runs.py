@@ -414,6 +414,7 @@ def _assert_stopped(tmp_path, run, status, seconds):
 @pytest.mark.parametrize("stop", [
     "ctrl-c",
     pytest.param("sigterm", marks=pytest.mark.thorough),
+    "sighup",
 ])
 def test_a_stop_starts_no_new_run_and_writes_the_report(tmp_path, stop):
   process = _stoppable_fleet(tmp_path)
@@ -422,14 +423,51 @@ def test_a_stop_starts_no_new_run_and_writes_the_report(tmp_path, stop):
   start = time.monotonic()
   if stop == "ctrl-c":  # a terminal signals the whole process group
     os.killpg(process.pid, signal.SIGINT)
+  elif stop == "sighup":  # the terminal hung up (its foreground group)
+    os.killpg(process.pid, signal.SIGHUP)
   else:  # Kubernetes signals the container's main process
     process.send_signal(signal.SIGTERM)
   run = _finish(process, timeout=60)
-  _assert_stopped(tmp_path, run, 130 if stop == "ctrl-c" else 143,
+  _assert_stopped(tmp_path, run,
+                  {"ctrl-c": 130, "sigterm": 143, "sighup": 129}[stop],
                   time.monotonic() - start)
   # No worker is left behind.
   time.sleep(0.5)
   assert not _workers_in(tmp_path)
+
+
+def test_file_urls_are_local_paths(tree):
+  url = f"file://{tree}"
+  run = _script(f"--source-glob={url}/runs/*/checkpoints",
+                f"--sources={url}/runs/a/checkpoints,{url}/runs/b/checkpoints",
+                f"--destination-root={url}/orbax", "--dry-run", cwd=tree)
+  assert run.returncode == 0, run.stderr
+  plain = _script(f"--source-glob={tree}/runs/*/checkpoints",
+                  f"--destination-root={tree}/orbax", "--dry-run", cwd=tree)
+  assert run.stdout == plain.stdout
+  assert f"would migrate {tree}/runs/a/checkpoints -> {tree}/orbax/a/" in (
+      run.stdout)
+
+
+def test_a_closed_output_stops_no_run(tmp_path):
+  """`migrate_runs.py ... | head -1`, a dead log collector: the output is
+  gone after the first line; every run is still migrated and reported."""
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  for i in range(3):
+    checkpoint.Checkpoint(str(tmp_path / "runs" / f"r{i}")).save(
+        example_state(i + 1))
+  process = _start("--source-glob=runs/*", "--destination-root=orbax",
+                   "--report=report.json", "--parallelism=1", cwd=tmp_path)
+  assert process.stdout.readline().startswith("migrating 3 run(s)")
+  process.stdout.close()
+  process.stderr.close()
+  assert process.wait(timeout=300) == 0
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["complete"] and report["counts"] == {
+      "ok": 3, "failed": 0, "error": 0}, report
+  for i in range(3):
+    assert (tmp_path / "orbax" / f"r{i}" / str(i + 1)).is_dir()
 
 
 def _big_run(path, step):

@@ -12,6 +12,7 @@ tests/test_migrate_runs.py.
 
 import argparse
 import io
+import glob
 import json
 import random
 import re
@@ -188,6 +189,23 @@ def test_a_symlinked_run_is_a_run_under_its_own_name(tree):
   assert runs == [("runs/l/checkpoints", "Checkpoint", [], None)]
 
 
+def test_a_run_reached_under_two_names_is_one_run(tree):
+  """Through a link to a directory of runs, `**` reaches each run twice:
+  migrated once, under its name without links; the other name skipped."""
+  clu_dir(tree, "runs/team/x/checkpoints")
+  (tree / "runs" / "alias").symlink_to(tree / "runs" / "team")
+  runs, skipped = _summary(fleet_discovery.plan_fleet(
+      [], ["runs/**/checkpoints"]))
+  assert [r[0] for r in runs].count("runs/team/x/checkpoints") == 1
+  assert "runs/alias/x/checkpoints" not in [r[0] for r in runs]
+  assert ("runs/alias/x/checkpoints", "the same run as "
+          "runs/team/x/checkpoints (through a symbolic link)") in skipped
+  # Named only through the link, it is a run under that name.
+  runs, _ = _summary(fleet_discovery.plan_fleet(
+      ["runs/alias/x/checkpoints"], []))
+  assert [r[0] for r in runs] == ["runs/alias/x/checkpoints"]
+
+
 def test_a_dangling_symlink_is_an_error_not_a_skip(tree):
   """A run behind a link to an unmounted disk is not "not a directory"."""
   (tree / "runs" / "d").mkdir()
@@ -237,6 +255,35 @@ def test_a_recursive_glob_finds_runs_at_every_depth(tree):
       ("runs/m/checkpoints", "MultihostCheckpoint"),
       ("runs/team/x/checkpoints", "Checkpoint"),
       ("runs/team/y/deep/checkpoints", "MultihostCheckpoint")]
+
+
+@pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
+                                     "runs/**/checkpoints", "runs/?h*/*"])
+def test_a_run_in_a_hidden_directory_is_found(tree, pattern):
+  """A wildcard matches names beginning with "." locally as it does in a
+  bucket: a shell's glob (and `glob.glob`) would leave such a run out
+  unseen, neither migrated nor listed as skipped."""
+  clu_dir(tree, "runs/.hidden/checkpoints")
+  (tree / "runs" / ".cache").mkdir()
+  runs, skipped = _summary(fleet_discovery.plan_fleet([], [pattern]))
+  assert ("runs/.hidden/checkpoints", "Checkpoint", [], None) in runs
+  assert "runs/.cache" not in [path for path, _ in skipped]
+
+
+def test_local_glob_is_glob_with_hidden_names(tree):
+  clu_dir(tree, "runs/team/x/checkpoints")
+  (tree / "runs" / "link").symlink_to(tree / "runs" / "team")
+  for pattern in ["runs/*/checkpoints", "runs/**/checkpoints", "runs/**",
+                  "runs/[ab]/*", "runs/m/checkpoints-[0-9]*", "runs",
+                  "runs/nothing/*", "*/a", str(tree / "runs" / "*")]:
+    expected = sorted(p.rstrip("/") for p in glob.glob(pattern,
+                                                       recursive=True))
+    assert fleet_discovery.local_glob(pattern) == expected, pattern
+  # A link back up (a loop) is listed, not followed around.
+  (tree / "runs" / "team" / "up").symlink_to(tree / "runs")
+  found = fleet_discovery.local_glob("runs/**/checkpoints")
+  assert "runs/team/up/a/checkpoints" not in found
+  assert "runs/link/x/checkpoints" in found
 
 
 def test_a_host_like_directory_beside_a_run_is_a_run(tree):
@@ -392,6 +439,29 @@ def test_clashing_destinations_are_refused(sources, message):
 def test_a_destination_root_inside_a_source_is_refused():
   with pytest.raises(errors.UsageError, match="inside the source /runs/a"):
     _destinations(["/runs/a"], "/runs", "/runs/a/orbax")
+
+
+@pytest.mark.parametrize("link_to", ["runs/a", "runs/a/checkpoints"])
+def test_a_destination_root_linked_into_a_source_is_refused(tmp_path,
+                                                           link_to):
+  """Deleting the sources after the migration would delete its steps."""
+  source = tmp_path / "runs" / "a" / "checkpoints"
+  source.mkdir(parents=True)
+  (tmp_path / "out").symlink_to(tmp_path / link_to)
+  destination_root = str(tmp_path / "out" / "orbax")
+  runs = {"runs/a": [str(tmp_path / "runs" / "a")],
+          "runs/a/checkpoints": [str(source)]}[link_to]
+  with pytest.raises(errors.UsageError) as refused:
+    _destinations(runs, str(tmp_path / "runs"), destination_root)
+  assert str(refused.value) == (
+      f"--destination-root={destination_root} is inside the source "
+      f"{runs[0]} (through symbolic links it is "
+      f"{tmp_path / link_to / 'orbax'})")
+  # A link elsewhere is no reason to refuse.
+  (tmp_path / "elsewhere").mkdir()
+  (tmp_path / "out2").symlink_to(tmp_path / "elsewhere")
+  assert _destinations(runs, str(tmp_path / "runs"),
+                       str(tmp_path / "out2" / "orbax"))
 
 
 def test_the_root_is_recorded_once_and_guards_the_destination(tmp_path):

@@ -70,10 +70,12 @@ died), "interrupted" or "pending", seconds, the migration's summary) and
 every skipped path with its reason. `--merge-reports=OUT REPORT...` merges
 shard reports, partial ones included.
 
-Stopping: the first Ctrl-C or SIGTERM starts no new run; the runs under way
-abandon their current step (nothing of it stays, as with `clu-ckpt
-migrate`); the report is written; exit status 130 (SIGINT) or 143 (SIGTERM),
-within seconds. A second Ctrl-C stops at once (the report then holds every
+Stopping: the first Ctrl-C, SIGTERM or SIGHUP (a terminal that hung up)
+starts no new run; the runs under way abandon their current step (nothing
+of it stays, as with `clu-ckpt migrate`); the report is written; exit
+status 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP), within seconds. A
+closed or hung-up stdout/stderr (`| head`, a dead log collector) stops
+nothing: the output is dropped, the runs and the report go on. A second Ctrl-C stops at once (the report then holds every
 run finished before). Re-running resumes.
 
 Sharding: `--num-shards=N --shard-index=I` (0 <= I < N) migrates the runs
@@ -86,7 +88,7 @@ Progress: one line per finished run, e.g. `[3/12] /runs/a/checkpoints ok
 terminal, one line rewritten in place (runs not ok keep their line).
 
 Exit status: 0 when every run (of the shard, or of the merged fleet, with no
-shard missing) is ok, 1 otherwise, 2 for a usage error, 130/143 when
+shard missing) is ok, 1 otherwise, 2 for a usage error, 130/143/129 when
 stopped. Errors are one line on stderr; `--verbose` adds tracebacks and the
 workers' log messages.
 """
@@ -111,6 +113,7 @@ from clu_ckpt.migration.fleet_assignment import resolve_shard
 from clu_ckpt.migration.fleet_assignment import shard_sources
 from clu_ckpt.migration.fleet_discovery import HOST_REASON
 from clu_ckpt.migration.fleet_discovery import Plan
+from clu_ckpt.migration.fleet_discovery import plain_local
 from clu_ckpt.migration.fleet_discovery import plan_fleet
 from clu_ckpt.migration.fleet_discovery import read_sources_file
 from clu_ckpt.migration.fleet_discovery import Run
@@ -123,11 +126,16 @@ from clu_ckpt.migration.fleet_report import now as _now
 from clu_ckpt.migration.fleet_report import prepare_report
 from clu_ckpt.migration.fleet_report import ProgressPrinter
 from clu_ckpt.migration.fleet_report import ReportWriter
+from clu_ckpt.migration.fleet_report import SurvivingOutput
 from clu_ckpt.migration.fleet_report import write_report
 from clu_ckpt.migration.fleet_workers import migrate_kwargs
 from clu_ckpt.migration.fleet_workers import WorkerPool
 
 # The program name of the script's messages.
+# The signals that stop a fleet cleanly: Ctrl-C, Kubernetes/Slurm's
+# SIGTERM, a terminal that hung up.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 PROG = "migrate_runs.py"
 # `clu-ckpt migrate` options the fleet does not pass through: it has its own
 # `--dry-run` (the fleet's plan) and report (instead of `--json`).
@@ -318,6 +326,7 @@ class _Shard:
     sources = [s for group in args.sources for s in group.split(",") if s]
     if args.sources_file:
       sources += read_sources_file(args.sources_file)
+    sources = [plain_local(s) for s in sources]
     if not sources and not args.source_glob:
       raise UsageError("no sources: pass --sources, --source-glob or "
                        "--sources-file")
@@ -397,7 +406,7 @@ def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
 
   Prints the skipped paths, then a progress line per finished run, then the
   counts; writes the report before the first run and after every finished
-  one. SIGINT and SIGTERM stop it cleanly (see `WorkerPool.stop`).
+  one. SIGINT, SIGTERM and SIGHUP stop it cleanly (see `WorkerPool.stop`).
 
   Args:
     args: The parsed command line (`build_parser`).
@@ -451,7 +460,7 @@ def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
                      args.parallelism, on_entry, verbose=args.verbose,
                      on_idle=writer.flush_due)
   previous = {s: signal.signal(s, lambda n, _: fleet.stop(n))
-              for s in (signal.SIGINT, signal.SIGTERM)}
+              for s in STOP_SIGNALS}
   try:
     fleet.run()
   finally:
@@ -480,12 +489,16 @@ def _default_report(num_shards: int, shard_index: int) -> str:
 
 
 class _Terminated(KeyboardInterrupt):
-  """SIGTERM, before the fleet's own handling starts."""
+  """SIGTERM or SIGHUP, before the fleet's own handling starts."""
+
+  def __init__(self, signum: int):
+    super().__init__(signum)
+    self.signum = signum
 
 
 def _terminated(signum: int, frame: Any) -> None:
-  del signum, frame
-  raise _Terminated()
+  del frame
+  raise _Terminated(signum)
 
 
 def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
@@ -497,15 +510,40 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
 
   Returns:
     The exit status: 0 every run ok, 1 some run not ok (or an error), 2 a
-    usage error (one line on stderr), 130/143 stopped by SIGINT/SIGTERM.
+    usage error (one line on stderr), 130/143/129 stopped by
+    SIGINT/SIGTERM/SIGHUP.
   """
   if argv is None:
     argv = sys.argv[1:]
   parser, dests = build_parser(prog)
   args = parser.parse_args(normalize_argv(argv))
-  # Before the workers start (planning, a bucket's listing), SIGTERM stops
-  # like Ctrl-C: nothing has been written yet but the report.
-  signal.signal(signal.SIGTERM, _terminated)
+  # Before the workers start (planning, a bucket's listing), SIGTERM and
+  # SIGHUP stop like Ctrl-C: nothing has been written yet but the report.
+  previous = {s: signal.signal(s, _terminated)
+              for s in (signal.SIGTERM, signal.SIGHUP)}
+  # A closed pipe or a hung-up terminal does not stop the runs.
+  streams = sys.stdout, sys.stderr
+  sys.stdout, sys.stderr = SurvivingOutput(sys.stdout), SurvivingOutput(
+      sys.stderr)
+  try:
+    return _main(args, dests, prog)
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.stdout, sys.stderr = streams
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
+
+
+def _main(args: argparse.Namespace, dests: Sequence[str],
+          prog: str) -> int:
+  # `file://` URLs name local paths: planned, compared and written as such.
+  for name in ("source_glob", "reports"):
+    setattr(args, name, [plain_local(p) for p in getattr(args, name)])
+  for name in ("sources_file", "destination_root", "source_root", "report",
+               "merge_reports"):
+    if getattr(args, name):
+      setattr(args, name, plain_local(getattr(args, name)))
   try:
     if args.parallelism < 1:
       raise UsageError(
@@ -523,7 +561,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     return 2
   except KeyboardInterrupt as e:
     print(f"{prog}: interrupted before any run started", file=sys.stderr)
-    return 143 if isinstance(e, _Terminated) else 130
+    return 128 + (e.signum if isinstance(e, _Terminated) else signal.SIGINT)
   except Exception as e:  # pylint: disable=broad-except
     if args.verbose:
       traceback.print_exc()

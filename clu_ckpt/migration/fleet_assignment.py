@@ -207,14 +207,35 @@ def assign_destinations(runs: Sequence[Run], source_root: str,
     if relative_path(d2, d1) is not None:
       raise UsageError(f"the destination of {s2} ({d2}) is inside that of "
                        f"{s1} ({d1})")
-  destination = normalize_path(absolute_path(destination_root))
+  destinations = _spellings(destination_root)
   for run in runs:
     for directory in [run.source, *run.hosts]:
-      directory_path = normalize_path(absolute_path(directory))
-      if (relative_path(destination, directory_path) or
-          destination == directory_path):
-        raise UsageError(f"--destination-root={destination_root} is inside "
-                         f"the source {directory}")
+      for destination in destinations:
+        for directory_path in _spellings(directory):
+          if (relative_path(destination, directory_path) or
+              destination == directory_path):
+            raise UsageError(f"--destination-root={destination_root} is "
+                             f"inside the source {directory}" +
+                             _through_links(destination_root, destination))
+
+
+def _spellings(path: str) -> list[str]:
+  """`path` absolute, and locally also with its symbolic links resolved.
+
+  Both are compared: a destination root reached through a link into a
+  source is inside it (deleting the sources after the migration would
+  delete the migrated steps too).
+  """
+  absolute = normalize_path(absolute_path(path))
+  if split_url(path)[0]:
+    return [absolute]
+  return list(dict.fromkeys([absolute, os.path.realpath(absolute)]))
+
+
+def _through_links(given: str, compared: str) -> str:
+  if compared == normalize_path(absolute_path(given)):
+    return ""
+  return f" (through symbolic links it is {compared})"
 
 
 # --------------------------------------------------------------------------

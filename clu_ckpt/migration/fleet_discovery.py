@@ -33,7 +33,7 @@ import glob
 import os
 import posixpath
 import re
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from clu_ckpt.errors import UsageError
 
@@ -59,6 +59,17 @@ def split_url(path: str) -> tuple[str, str]:
   """
   m = _URL_RE.match(path)
   return (m.group(0), path[m.end():]) if m else ("", path)
+
+
+def plain_local(path: str) -> str:
+  """A `file://` URL as the local path it names; anything else as is.
+
+  Example::
+
+    plain_local("file:///runs/a")   # "/runs/a"
+  """
+  scheme, rest = split_url(path)
+  return rest if scheme.lower() == "file://" else path
 
 
 def normalize_path(path: str) -> str:
@@ -305,16 +316,77 @@ def list_candidates(pattern: str) -> dict[str, Entries]:
   pattern = normalize_path(pattern)
   if split_url(pattern)[0]:
     return _list_bucket(pattern)
-  paths = set(glob.glob(pattern, recursive=True))
-  paths.update(p for p in glob.glob(pattern + "-[0-9]*", recursive=True)
+  paths = set(local_glob(pattern))
+  paths.update(p for p in local_glob(pattern + "-[0-9]*")
                if _HOST_DIR_RE.match(p))
   for base in {m.group("base") for m in map(_HOST_DIR_RE.match, list(paths))
                if m}:  # the other hosts of a host directory matched
-    paths.update(p for p in glob.glob(glob.escape(base) + "-[0-9]*")
+    paths.update(p for p in local_glob(glob.escape(base) + "-[0-9]*")
                  if _HOST_DIR_RE.match(p))
     if os.path.lexists(base):  # its base: a run of its own, or their base
       paths.add(base)
   return {normalize_path(p): _list_local_directory(p) for p in sorted(paths)}
+
+
+def local_glob(pattern: str) -> list[str]:
+  """Local paths matching `pattern`, names beginning with "." included.
+
+  As `glob.glob(pattern, recursive=True)` but for hidden names, which a
+  wildcard matches here as it does in a bucket's listing: a run under
+  `runs/.exp1/` is found by `runs/*/checkpoints`, not left out unseen.
+  `**` follows symbolic links to directories, but not around a loop.
+
+  Args:
+    pattern: A normalized local glob (`normalize_path`).
+
+  Returns:
+    The matching paths (that exist, or are symbolic links), spelled as
+    `pattern` is (relative ones relative), sorted.
+  """
+  parts = pattern.split(os.sep)
+  paths = [os.sep if parts[0] == "" else ""]
+  for part in parts[1:] if parts[0] == "" else parts:
+    matched = []
+    for base in paths:
+      if part == "**":
+        matched.extend(_paths_under(base))
+      elif not _has_wildcard(part):
+        path = os.path.join(base, part)
+        if os.path.lexists(path):
+          matched.append(path)
+      else:
+        try:
+          names = os.listdir(base or os.curdir)
+        except OSError:
+          continue
+        matched.extend(os.path.join(base, n) for n in names
+                       if fnmatch.fnmatchcase(n, part))
+    paths = matched
+  return sorted({p for p in paths if p})
+
+
+def _paths_under(base: str) -> list[str]:
+  """`base` and every path below it, for `**`.
+
+  Symbolic links to directories are followed (as `glob.glob` does: a
+  disk mounted through a link holds runs too), but not one that leads back
+  to a directory above it (a loop).
+  """
+  found = [base] if os.path.isdir(base or os.curdir) else []
+  for top, names, files in os.walk(base or os.curdir, followlinks=True):
+    real_top = os.path.realpath(top)
+    for name in files:
+      path = os.path.join(top, name)
+      found.append(path if base else os.path.relpath(path, os.curdir))
+    for name in list(names):
+      path = os.path.join(top, name)
+      if os.path.islink(path):
+        real = os.path.realpath(path)
+        if real == real_top or real_top.startswith(real.rstrip(os.sep) +
+                                                   os.sep):
+          names.remove(name)  # a loop: listed, not entered
+      found.append(path if base else os.path.relpath(path, os.curdir))
+  return found
 
 
 def _list_bucket(pattern: str) -> dict[str, Entries]:
@@ -512,6 +584,7 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
     UsageError: A glob matched nothing.
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  sources, globs = map(plain_local, sources), map(plain_local, globs)
   plans = []
   for pattern in globs:
     plan = plan_pattern(pattern, lister(pattern))
@@ -531,12 +604,33 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
       if key not in runs or (runs[key].error and not run.error):
         runs[key] = run
   skipped: dict[str, Skipped] = {}
+  for twice in _reached_twice(list(runs.values())):
+    del runs[_identity(twice.path)]
+    skipped[_identity(twice.path)] = twice
   for plan in plans:
     for s in plan.skipped:
       if _identity(s.path) not in runs:
         skipped.setdefault(_identity(s.path), s)
   return Plan(sorted(runs.values(), key=lambda r: r.source),
               sorted(skipped.values(), key=lambda s: s.path))
+
+
+def _reached_twice(runs: Iterable[Run]) -> list[Skipped]:
+  """Local runs reached under two names (through symbolic links): all but
+  one, as skipped (one run migrated twice, into two destinations).
+
+  The name kept is the one without links, else the first in order.
+  """
+  by_target: dict[str, list[Run]] = {}
+  for run in runs:
+    if not split_url(run.source)[0] and run.error is None:
+      by_target.setdefault(os.path.realpath(run.source), []).append(run)
+  twice = []
+  for target, same in by_target.items():
+    same.sort(key=lambda r: (_identity(r.source) != target, r.source))
+    twice += [Skipped(r.source, f"the same run as {same[0].source} (through "
+                      "a symbolic link)", "") for r in same[1:]]
+  return twice
 
 
 def _identity(path: str) -> str:

@@ -31,6 +31,7 @@ not ok keep their line); elsewhere (a log, a pipe) one plain line per run.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import os
 import posixpath
@@ -177,6 +178,62 @@ class ProgressPrinter:
       self._stream.write("\n")
       self._stream.flush()
       self._pending_newline = False
+
+
+class SurvivingOutput:
+  """A text stream whose loss does not stop the fleet.
+
+  An operator's pipe closed early (`| head`), a log collector that died or
+  a hung-up terminal makes every later write fail (EPIPE, EIO). The fleet's
+  output is only a view of its report: once a write fails, the stream's
+  file descriptor is pointed at /dev/null (so the interpreter's last flush
+  succeeds too) and the migration goes on.
+
+  Example::
+
+    sys.stdout = SurvivingOutput(sys.stdout)
+    print("[1/3] ...")           # never raises OSError
+
+  Args:
+    stream: The stream to write to (e.g. `sys.stdout`).
+  """
+
+  def __init__(self, stream: TextIO):
+    self._stream = stream
+    self.lost = False
+
+  def write(self, text: str) -> int:
+    """Writes `text`, or drops it once the stream is gone."""
+    try:
+      return self._stream.write(text)
+    except OSError:
+      self._lose()
+      return len(text)
+
+  def flush(self) -> None:
+    """Flushes, or drops what is buffered once the stream is gone."""
+    try:
+      self._stream.flush()
+    except OSError:
+      self._lose()
+
+  def isatty(self) -> bool:
+    return not self.lost and self._stream.isatty()
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._stream, name)
+
+  def _lose(self) -> None:
+    self.lost = True
+    try:
+      null = os.open(os.devnull, os.O_WRONLY)
+      try:
+        os.dup2(null, self._stream.fileno())
+      finally:
+        os.close(null)
+      self._stream.flush()  # what was buffered goes to /dev/null
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+      self._stream = open(os.devnull, "w", encoding="utf-8")  # pylint: disable=consider-using-with
 
 
 # --------------------------------------------------------------------------

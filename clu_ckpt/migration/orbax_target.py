@@ -420,13 +420,15 @@ class OrbaxTarget(Target):
         path, args=ocp.args.JsonRestore())
 
   def restore(self, step: int) -> tuple[Any, dict[str, Any]]:
+    # Through the handler, not a `Checkpointer`: its restore ends at a
+    # barrier of every JAX process, so a process restoring alone in a
+    # multi-process job (CLU's `if jax.process_index() == 0: restore`)
+    # waited there until the job's collectives timed out.
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-    checkpointer = ocp.Checkpointer(ocp.handlers.CompositeCheckpointHandler())
-    with checkpointer:
-      restored = checkpointer.restore(
-          self._path(step), args=ocp.args.Composite(
-              **{STATE_ITEM: ocp.args.PyTreeRestore(),
-                 METADATA_ITEM: ocp.args.JsonRestore()}))
+    restored = ocp.handlers.CompositeCheckpointHandler().restore(
+        self._path(step), args=ocp.args.Composite(
+            **{STATE_ITEM: ocp.args.PyTreeRestore(),
+               METADATA_ITEM: ocp.args.JsonRestore()}))
     return restored[STATE_ITEM], restored[METADATA_ITEM]
 
   def state_layout(self, step: int) -> Any:
