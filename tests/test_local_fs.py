@@ -752,6 +752,8 @@ def test_advice_that_cannot_be_given_is_skipped(tmp_path, monkeypatch):
 def test_residency_false_when_it_cannot_be_told():
   # Not page-aligned memory: mincore(2) refuses it.
   assert local_fs._resident(b"abc" * 5000) is False  # pylint: disable=protected-access
+  # Not a buffer at all.
+  assert local_fs._resident(object()) is False  # pylint: disable=protected-access
 
 
 def _evict_pages(path, first: int, count: int) -> None:
