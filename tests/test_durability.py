@@ -15,6 +15,7 @@ import pytest
 
 from clu_ckpt import checkpoint
 from clu_ckpt import flax_format
+from clu_ckpt import local_fs
 from clu_ckpt import save_protocol
 from clu_ckpt import storage
 from fs_recorder import FsRecorder
@@ -102,3 +103,29 @@ def test_migration_records_a_step_durably_after_its_commit(tmp_path,
   for step, record in zip((1, 2), manifest):
     (committed,) = rec.renames_into(tmp_path / "dst" / str(step))
     assert committed < record
+
+
+def test_exclusive_create_and_sync_flush_the_file_then_its_directory(
+    tmp_path, monkeypatch):
+  fs = local_fs.LocalFileSystem()
+  (tmp_path / "f").write_bytes(b"x")
+  os.mkfifo(tmp_path / "pipe")
+  rec = FsRecorder(tmp_path).install(monkeypatch)
+  fs.create_exclusive(str(tmp_path / "lock"), b"mine")
+  (link,) = rec.renames_into(tmp_path / "lock")
+  rec.assert_durable_rename(link)
+  start = len(rec.events)
+  fs.sync(str(tmp_path / "f"))
+  fs.sync(str(tmp_path / "pipe"))  # not opened (it could block): its directory
+  assert rec.events[start:] == [("fsync", str(tmp_path / "f")),
+                                ("fsync", str(tmp_path)),
+                                ("fsync", str(tmp_path))]
+  # A path without a directory part is in the working directory.
+  monkeypatch.chdir(tmp_path)
+  fs.create_exclusive("lock2", b"mine")
+  (link,) = rec.renames_into(tmp_path / "lock2")
+  rec.assert_durable_rename(link)
+  start = len(rec.events)
+  fs.sync("f")
+  assert rec.events[start:] == [("fsync", str(tmp_path / "f")),
+                                ("fsync", str(tmp_path))]

@@ -323,3 +323,123 @@ def test_verify_of_a_multihost_base_names_each_host(tmp_path):
   report = inspection.inspect_path(str(d / "checkpoints"))
   assert calls[-1][4] == sum(r["bytes"] for r in report["checkpoints"]
                              if r["committed"] or r["torn_hosts"] == [])
+
+
+# ---------------------------------------------------------------------------
+# What a damaged file is called: inspect's `damage`, verify's problem.
+# ---------------------------------------------------------------------------
+
+
+def _sound_bytes(tmp_path):
+  flax_format.save_file({"a": np.arange(3, dtype=np.float32), "step": 3},
+                        str(tmp_path / "sound.flax"))
+  return (tmp_path / "sound.flax").read_bytes()
+
+
+def _damaged_cases(tmp_path):
+  """(file content, inspect's damage, verify's problem), `{p}` the path."""
+  import msgpack  # pylint: disable=g-import-not-at-top
+  sound = _sound_bytes(tmp_path)
+  bad_dtype = msgpack.packb({"a": msgpack.ExtType(1, msgpack.packb(
+      [[3], "float99", b"xxxx"]))})
+  long_text = "checkpoint files were moved to the bucket: see notes"
+  return [
+      (sound[:20],
+       "{p}: damaged: truncated at byte 6 (truncated: 25 bytes declared, 14 "
+       "left in the file)",
+       "{p} at byte 6: truncated: 25 bytes declared, 14 left in the file"),
+      (b"",
+       "{p}: damaged: truncated at byte 0 (empty file)",
+       "{p} at byte 0: empty file"),
+      (b"\xc1" + sound[1:],
+       "{p}: damaged: not msgpack at byte 0 (invalid msgpack type byte 0xc1)",
+       "{p} at byte 0: invalid msgpack type byte 0xc1"),
+      (msgpack.packb({"a": msgpack.ExtType(5, b"xx")}),
+       "{p}: damaged: not msgpack at byte 3 (unknown msgpack ext type 5)",
+       "{p} at byte 3: unknown msgpack ext type 5"),
+      (bad_dtype,
+       "{p}: damaged at byte 9: unknown dtype name b'float99'",
+       "{p} at byte 9: unknown dtype name b'float99'"),
+      (b"\x01\x02\x03",
+       "{p}: damaged at byte 1: 2 bytes of extra data after the checkpoint",
+       "{p} at byte 1: 2 bytes of extra data after the checkpoint"),
+      # Text: short, with every allowed control, cut at the probe (48
+      # bytes), and cut inside a character of 2 and of 4 bytes.
+      (b"hello world", *["{p}: not a Flax checkpoint: starts with text "
+                         "'hello world' (a text file, not msgpack)"] * 2),
+      (b"a\tb\r\nc", *["{p}: not a Flax checkpoint: starts with text "
+                       "'a\\tb\\r\\nc' (a text file, not msgpack)"] * 2),
+      (long_text.encode(), *["{p}: not a Flax checkpoint: starts with text "
+                             f"'{long_text[:48]}...' (a text file, not "
+                             "msgpack)"] * 2),
+      (("x" * 47).encode(), *["{p}: not a Flax checkpoint: starts with text "
+                              f"'{'x' * 47}' (a text file, not msgpack)"] * 2),
+      (("x" * 47 + "\u00e9").encode(), *[
+          "{p}: not a Flax checkpoint: starts with text "
+          f"'{'x' * 47}...' (a text file, not msgpack)"] * 2),
+      (("x" * 45 + "\U0001F600").encode(), *[
+          "{p}: not a Flax checkpoint: starts with text "
+          f"'{'x' * 45}...' (a text file, not msgpack)"] * 2),
+      # Not text: a control character, or bytes no cut makes UTF-8.
+      (b"hello\x01world",
+       "{p}: damaged at byte 1: 10 bytes of extra data after the checkpoint",
+       "{p} at byte 1: 10 bytes of extra data after the checkpoint"),
+      (b"A" * 44 + b"\xff" * 4 + b"more",
+       "{p}: damaged at byte 1: 51 bytes of extra data after the checkpoint",
+       "{p} at byte 1: 51 bytes of extra data after the checkpoint"),
+  ]
+
+
+def test_damage_and_verify_name_what_is_wrong_with_a_file(tmp_path,
+                                                         golden_copy):
+  d = golden_copy("single_host")
+  victim = d / "ckpt-4.flax"
+  for content, damage, problem in _damaged_cases(tmp_path):
+    victim.write_bytes(content)
+    rows = {r["number"]: r for r in inspection.inspect_path(str(d))[
+        "checkpoints"]}
+    assert rows[4]["damage"] == [damage.format(p=victim)], content
+    assert rows[3]["damage"] == rows[5]["damage"] == []
+    assert inspection.verify_path(str(d))["problems"] == [
+        problem.format(p=victim)], content
+
+
+def test_damage_of_a_sound_file_is_none(tmp_path):
+  path = tmp_path / "sound.flax"
+  path.write_bytes(_sound_bytes(tmp_path))
+  assert inspection._damage(str(path)) is None  # pylint: disable=protected-access
+  cache = {}
+  assert inspection._damage(str(path), cache) is None  # pylint: disable=protected-access
+  assert list(cache) == [str(path)]  # summarised once, for the tree
+
+
+def test_verify_flax_training_files_reports_progress_and_problems(tmp_path):
+  d = _flax_training_dir(tmp_path / "my run", [5, 10, 15])  # a space in it
+  sizes = {n: (d / n).stat().st_size for n in ("checkpoint_10",
+                                               "checkpoint_15")}
+  calls = []
+  result = inspection.verify_path(str(d), progress=lambda *a: calls.append(a))
+  assert result == dict(ok=True, checked=2, problems=[])
+  total = sum(sizes.values())
+  assert calls == [(1, 2, "checkpoint_10", sizes["checkpoint_10"], total),
+                   (2, 2, "checkpoint_15", sizes["checkpoint_15"], total)]
+  # A step leading out of the directory is named, not read; a dangling one
+  # counts no bytes.
+  outside = tmp_path / "elsewhere"
+  (d / "checkpoint_15").rename(outside)
+  (d / "checkpoint_15").symlink_to(outside)
+  (d / "checkpoint_20").symlink_to(tmp_path / "gone")
+  calls = []
+  result = inspection.verify_path(str(d), progress=lambda *a: calls.append(a))
+  assert result["ok"] is False and result["checked"] == 3
+  assert [c[:4] for c in calls] == [
+      (1, 3, "checkpoint_10", sizes["checkpoint_10"]),
+      (2, 3, "checkpoint_15", sizes["checkpoint_15"]),
+      (3, 3, "checkpoint_20", 0)]
+  assert len(result["problems"]) == 2
+  assert str(d / "checkpoint_15") in result["problems"][0]
+  assert "outside" in result["problems"][0]
+  assert str(d / "checkpoint_20") in result["problems"][1]
+  # Nothing under the prefix asked for (what detection never hands it).
+  assert inspection._verify_flax_training(str(d), "model_", None) == dict(  # pylint: disable=protected-access
+      ok=False, checked=0, problems=[f"{d}: no model_<step> file"])

@@ -141,7 +141,91 @@ def test_multihost_latest_newest_common_from_the_lowest_host(tmp_path,
   with caplog.at_level(logging.INFO, logger="absl"):
     path = layout.multihost_latest(base + "/", "ckpt")
   assert path == f"{base}-1/ckpt-3"
-  assert any(path in r.getMessage() and "host 1" in r.getMessage()
-             for r in caplog.records)
+  assert (f"{base}/ is a MultihostCheckpoint base: loading {path}, from host "
+          f"1's directory {base}-1 (checkpoint 3 is the newest every host "
+          "has)") in [r.getMessage() for r in caplog.records]
   with pytest.raises(errors.CheckpointNotFoundError, match="model-<number>"):
     layout.multihost_latest(base, "model")  # another name: none in common
+
+
+def _host(directory, numbers, incomplete=()):
+  """A host directory listing `numbers`, each with its three kinds of file
+  (but for the `.index` of those in `incomplete`)."""
+  directory.mkdir()
+  paths = [f"{directory}/ckpt-{n}" for n in numbers]
+  (directory / "checkpoint").write_text(layout.state_file.format_checkpoint_state(
+      str(directory), paths[-1], paths, [1.0e9 + n for n in numbers],
+      last_preserved_timestamp=1.0e9 - 1))
+  for n in numbers:
+    for ext in (".flax", ".data-00000-of-00001") + (
+        () if n in incomplete else (".index",)):
+      (directory / f"ckpt-{n}{ext}").write_bytes(b"x")
+  return str(directory)
+
+
+def test_newest_common_is_the_newest_number_every_host_has_whole(tmp_path,
+                                                                 caplog):
+  d0 = _host(tmp_path / "c-0", [1, 2, 3])
+  d1 = _host(tmp_path / "c-1", [1, 2, 3, 4], incomplete=[3])
+  with caplog.at_level(logging.INFO, logger="absl"):
+    found = layout.newest_common({0: d0, 1: d1}, "ckpt")
+  assert found == (2, {d0: f"{d0}/ckpt-2", d1: f"{d1}/ckpt-2"})
+  messages = [r.getMessage() for r in caplog.records]
+  assert (f"Checked checkpoint directories {[d0, d1]}: common numbers "
+          "{1, 2, 3}, exclusive numbers {4}") in messages
+  assert (f"Checkpoint number 3 is listed by every host, but files are "
+          f"missing in {[d1]}; trying older ones") in messages
+
+
+def test_newest_common_without_a_whole_one_is_the_newest_listed(tmp_path):
+  # The restore then fails naming the missing file, rather than starting
+  # over (which would delete every host's checkpoints).
+  d0 = _host(tmp_path / "c-0", [1, 2], incomplete=[1])
+  d1 = _host(tmp_path / "c-1", [1, 2], incomplete=[2])
+  assert layout.newest_common({0: d0, 1: d1}, "ckpt") == (
+      2, {d0: f"{d0}/ckpt-2", d1: f"{d1}/ckpt-2"})
+
+
+def test_newest_common_of_no_hosts_or_nothing_common_is_none(tmp_path):
+  assert layout.newest_common({}, "ckpt") is None
+  d0 = _host(tmp_path / "c-0", [1])
+  d1 = _host(tmp_path / "c-1", [2])
+  assert layout.newest_common({0: d0, 1: d1}, "ckpt") is None
+  assert layout.newest_common({0: d0}, "ckpt") == (1, {d0: f"{d0}/ckpt-1"})
+
+
+def test_has_files_needs_all_three_kinds(tmp_path):
+  kinds = (".flax", ".index", ".data-00000-of-00001")
+  for i, missing in enumerate((None,) + kinds):
+    for ext in kinds:
+      if ext != missing:
+        (tmp_path / f"ckpt-{i}{ext}").write_bytes(b"x")
+    assert layout.has_files(str(tmp_path / f"ckpt-{i}")) is (
+        missing is None), missing
+  listing = {}
+  assert layout.has_files(str(tmp_path / "ckpt-0"), listing)
+  assert str(tmp_path) in listing
+  assert not layout.has_files(str(tmp_path / "gone" / "ckpt-0"), listing)
+
+
+def test_debris_names_may_hold_any_character():
+  names = {"ckpt-1.flax.tmp-a\nb", "ckpt-1.flax"}
+  assert layout.is_debris("ckpt-1.flax.tmp-a\nb", names, "ckpt", 3, 4)
+  assert not layout.is_debris("ckpt-1.flax.tmp-a\nb", names, "ckpt", 1, 4)
+
+
+@pytest.mark.parametrize("base", ["runX", "run "])
+def test_host_directories_are_the_bases_own(tmp_path, base):
+  for name in (f"{base}-0", f"{base.rstrip('X ')}-1", f"{base}-x"):
+    (tmp_path / name).mkdir()
+  assert layout.host_directories(str(tmp_path / base)) == {
+      0: str(tmp_path / f"{base}-0")}
+
+
+def test_debris_bounds_are_the_latest_and_the_oldest_kept_number():
+  # TensorFlow's `_temp/` up to the latest number (that of the latest
+  # itself is left from its write); a `.flax` only below the oldest kept.
+  assert layout.is_debris("ckpt-4_temp", set(), "ckpt", 3, 4)
+  assert not layout.is_debris("ckpt-5_temp", set(), "ckpt", 3, 4)
+  assert not layout.is_debris("ckpt-3.flax", {"ckpt-3.flax"}, "ckpt", 3, 4)
+  assert layout.is_debris("ckpt-2.flax", {"ckpt-2.flax"}, "ckpt", 3, 4)

@@ -7,13 +7,24 @@ read-ahead advice, atomic writes).
 """
 
 import contextlib
+import errno
+import fcntl
 import fnmatch
+import math
 import mmap
 import os
+import pathlib
+import resource
+import signal
+import socket
+import stat as statlib
+import threading
+import time
 from typing import Optional
 
 import pytest
 
+from clu_ckpt import errors
 from clu_ckpt import fsspec_fs
 from clu_ckpt import gfile_fs
 from clu_ckpt import local_fs
@@ -306,3 +317,534 @@ def test_cached_file_is_not_populated_again(tmp_path, monkeypatch):
     if not 0.4 < _resident_share(raw) < 0.6:
       pytest.skip("the page cache cannot be emptied in part here")
     assert not local_fs._resident(raw)  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------------------
+# Files that are not regular files, refused in this process (the child-process
+# tests in test_storage.py also catch a hang; these name every kind exactly).
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode, kind", [
+    (statlib.S_IFDIR | 0o755, "a directory"),
+    (statlib.S_IFIFO | 0o644, "a named pipe"),
+    (statlib.S_IFCHR | 0o666, "a character device"),
+    (statlib.S_IFBLK | 0o660, "a block device"),
+    (statlib.S_IFSOCK | 0o755, "a socket"),
+    (statlib.S_IFLNK | 0o777, "a symbolic link"),
+    (0o644, "file type 0o0"),
+])
+def test_every_kind_of_file_that_is_not_regular_is_named(mode, kind):
+  with pytest.raises(errors.NotRegularFileError) as raised:
+    local_fs._check_mode(mode, "/c/ckpt-1.index")  # pylint: disable=protected-access
+  code = errno.EISDIR if kind == "a directory" else errno.EINVAL
+  assert raised.value.errno == code
+  assert raised.value.filename == "/c/ckpt-1.index"
+  assert str(raised.value) == (
+      f"[Errno {code}] not a regular file ({kind}): '/c/ckpt-1.index'")
+  local_fs._check_mode(statlib.S_IFREG | 0o644, "/c/ckpt-1.index")  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def _woken_after(fifo: str, seconds: float = 2.0):
+  """Yields a list that gets an item if a reader of `fifo` blocked `seconds`.
+
+  A blocked reader is then woken (the pipe opened for writing and closed), so
+  that a regression fails the test instead of hanging it. `os.open` releases
+  the GIL, so a thread can do it.
+  """
+  woken, stop = [], threading.Event()
+
+  def wake():
+    if stop.wait(seconds):
+      return
+    while not stop.is_set():
+      try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+      except OSError:  # ENXIO: nobody is reading
+        time.sleep(0.02)
+        continue
+      woken.append(fifo)
+      os.close(fd)
+      time.sleep(0.02)
+
+  thread = threading.Thread(target=wake, daemon=True)
+  thread.start()
+  try:
+    yield woken
+  finally:
+    stop.set()
+    thread.join()
+
+
+def _hostile(kind: str, path: pathlib.Path) -> None:
+  if kind == "named pipe":
+    os.mkfifo(path)
+  elif kind == "directory":
+    path.mkdir()
+  elif kind == "character device":
+    if not os.path.exists("/dev/null"):
+      pytest.skip("no /dev/null")
+    path.symlink_to("/dev/null")  # only the target's type counts
+  elif kind == "socket":
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+      sock.bind(str(path))
+    except OSError as e:  # a path too long for AF_UNIX
+      pytest.skip(str(e))
+    finally:
+      sock.close()
+
+
+@pytest.mark.parametrize("kind", ["named pipe", "directory", "character device",
+                                  "socket"])
+def test_reads_refuse_what_is_not_a_regular_file_at_once(tmp_path, kind):
+  path = tmp_path / "ckpt-1.index"
+  _hostile(kind, path)
+  fs = local_fs.LocalFileSystem()
+  code = errno.EISDIR if kind == "directory" else errno.EINVAL
+  calls = dict(check=lambda: fs.check_regular_file(str(path)),
+               check_url=lambda: fs.check_regular_file(f"file://{path}"),
+               read=lambda: fs.read_bytes(str(path)),
+               map=lambda: fs.map(str(path)),
+               map_url=lambda: fs.map(f"file://{path}", populate=False))
+  for name, call in calls.items():
+    with _woken_after(str(path)) as woken:
+      start = time.monotonic()
+      with pytest.raises(errors.NotRegularFileError) as raised:
+        call()
+      seconds = time.monotonic() - start
+    assert not woken, f"{name} blocked on {path}"
+    assert seconds < 1, (name, seconds)
+    assert raised.value.errno == code, name
+    assert raised.value.filename == str(path), name
+    assert str(raised.value) == (
+        f"[Errno {code}] not a regular file (a {kind}): {str(path)!r}"), name
+  fs.sync(str(path))  # best effort: never blocks nor raises
+
+
+def _swapped_for_a_fifo(tmp_path, monkeypatch) -> str:
+  """A FIFO that `os.stat` reports as a regular file (swapped after a check)."""
+  regular, fifo = tmp_path / "regular", tmp_path / "ckpt-1.data-00000-of-00001"
+  regular.write_bytes(b"x")
+  os.mkfifo(fifo)
+  real_stat = os.stat
+
+  def stat(path, *args, **kwargs):
+    if os.fspath(path) == str(fifo):
+      return real_stat(regular)
+    return real_stat(path, *args, **kwargs)
+
+  monkeypatch.setattr(os, "stat", stat)
+  return str(fifo)
+
+
+def test_file_swapped_for_a_fifo_after_the_check_is_refused_at_once(
+    tmp_path, monkeypatch):
+  fifo = _swapped_for_a_fifo(tmp_path, monkeypatch)
+  fs = local_fs.LocalFileSystem()
+  for name, call in dict(read=lambda: fs.read_bytes(fifo),
+                         map=lambda: fs.map(fifo)).items():
+    with _woken_after(fifo) as woken:
+      with pytest.raises(errors.NotRegularFileError) as raised:
+        call()
+    assert not woken, f"{name} opened {fifo} without O_NONBLOCK"
+    assert raised.value.filename == fifo, name
+    assert "(a named pipe)" in str(raised.value), name
+
+
+def test_sync_of_a_file_swapped_for_a_fifo_does_not_block(tmp_path,
+                                                          monkeypatch):
+  fifo = _swapped_for_a_fifo(tmp_path, monkeypatch)
+  with _woken_after(fifo) as woken:
+    local_fs.LocalFileSystem().sync(fifo)
+    local_fs.fsync_path(fifo)
+  assert not woken, f"{fifo} was opened without O_NONBLOCK"
+
+
+# ---------------------------------------------------------------------------
+# Errors name the file; new files get the usual permissions.
+# ---------------------------------------------------------------------------
+
+
+def test_errors_are_given_the_path_they_lack():
+  naming = local_fs._naming  # pylint: disable=protected-access
+  full = OSError(errno.ENOSPC, "No space left on device")
+  named = naming(full, "/c/ckpt-1.flax")
+  assert type(named) is OSError  # pylint: disable=unidiomatic-typecheck
+  assert (named.errno, named.strerror, named.filename) == (
+      errno.ENOSPC, "No space left on device", "/c/ckpt-1.flax")
+  assert str(named) == "[Errno 28] No space left on device: '/c/ckpt-1.flax'"
+  # The subclass follows the errno; another file's name is replaced.
+  denied = naming(OSError(errno.EACCES, "Permission denied", "/c/x.tmp-1"),
+                  "/c/ckpt-1.flax")
+  assert isinstance(denied, PermissionError)
+  assert denied.filename == "/c/ckpt-1.flax"
+  # No text: the error's own string stands in.
+  assert naming(OSError(errno.EIO, ""), "/c/f").strerror == str(
+      OSError(errno.EIO, ""))
+  # Already named, or no errno to keep: returned as it is.
+  same = OSError(errno.EIO, "I/O error", "/c/f")
+  assert naming(same, "/c/f") is same
+  bare = OSError("no errno")
+  assert naming(bare, "/c/f") is bare
+
+
+def _umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
+def test_new_files_get_the_usual_permissions(tmp_path):
+  fs = local_fs.LocalFileSystem()
+  with fs.atomic_writer(str(tmp_path / "a.flax")) as write:
+    write(b"x")
+  fs.create_exclusive(str(tmp_path / "lock"), b"mine")
+  mode = lambda name: statlib.S_IMODE(os.stat(tmp_path / name).st_mode)
+  assert mode("a.flax") == 0o666 & ~_umask()
+  assert mode("lock") == 0o644 & ~_umask()
+  assert (tmp_path / "lock").read_bytes() == b"mine"
+
+
+def test_create_exclusive_never_replaces_and_names_the_file(tmp_path):
+  fs = local_fs.LocalFileSystem()
+  lock = tmp_path / "lock"
+  fs.create_exclusive(str(lock), b"first")
+  with pytest.raises(FileExistsError) as raised:
+    fs.create_exclusive(str(lock), b"second")
+  assert raised.value.filename == str(lock)
+  assert lock.read_bytes() == b"first"
+  with pytest.raises(FileNotFoundError) as raised:
+    fs.create_exclusive(str(tmp_path / "absent" / "lock"), b"x")
+  assert raised.value.filename == str(tmp_path / "absent" / "lock")
+  assert sorted(os.listdir(tmp_path)) == ["lock"]  # no temporary file left
+
+
+# ---------------------------------------------------------------------------
+# The staged writer: O_DIRECT for full buffers, from the writer thread.
+# ---------------------------------------------------------------------------
+
+
+_STAGE = local_fs._STAGE_BYTES  # pylint: disable=protected-access
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class _Writes:
+  """Records (and may fail or shorten) `os.write` calls on files under a root.
+
+  Each call: its size, whether the descriptor had O_DIRECT, its flags and the
+  calling thread's name. `fail(index, call)` may return an errno to raise
+  instead of writing; `most` bounds what one call writes (a short write).
+  """
+
+  def __init__(self, monkeypatch, root, fail=None, most=None):
+    real = os.write
+    root = os.path.realpath(root) + os.sep
+    self.calls = []
+
+    def write(fd, data):
+      try:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+      except OSError:
+        path = ""
+      if not path.startswith(root):
+        return real(fd, data)
+      flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+      call = dict(size=memoryview(data).nbytes, direct=bool(flags & _O_DIRECT),
+                  flags=flags, thread=threading.current_thread().name)
+      self.calls.append(call)
+      code = fail(len(self.calls) - 1, call) if fail else None
+      if code:
+        raise OSError(code, os.strerror(code))
+      if most is not None:
+        data = memoryview(data)[:most]
+      return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+  def summary(self):
+    return [(c["size"], c["direct"]) for c in self.calls]
+
+
+def _direct_allowed(directory) -> bool:
+  if not _O_DIRECT:
+    return False
+  fd = os.open(os.path.join(directory, "probe"), os.O_WRONLY | os.O_CREAT)
+  try:
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+    return True
+  except OSError:
+    return False
+  finally:
+    os.close(fd)
+    os.remove(os.path.join(directory, "probe"))
+
+
+def test_full_buffers_are_written_direct_by_the_writer_thread(tmp_path,
+                                                             monkeypatch):
+  if not _direct_allowed(tmp_path):
+    pytest.skip("this file system refuses O_DIRECT")
+  writes = _Writes(monkeypatch, tmp_path)
+  data = os.urandom(2 * _STAGE + 12345)
+  with local_fs.LocalFileSystem().atomic_writer(str(tmp_path / "f")) as write:
+    write(data)
+  assert (tmp_path / "f").read_bytes() == data
+  assert writes.summary() == [(_STAGE, True), (_STAGE, True), (12345, False)]
+  first, second, tail = writes.calls
+  assert first["thread"].startswith("clu_ckpt-write")
+  assert second["thread"] == first["thread"]
+  assert tail["thread"] == threading.current_thread().name
+  assert tail["flags"] == first["flags"] & ~_O_DIRECT  # as opened
+
+
+@pytest.mark.parametrize("refusals, expected", [
+    # O_DIRECT refused at the first full buffer: everything after is plain.
+    ({0}, [True, False, False, False, False]),
+    # ... or at the second, once 16 MiB went through: the same, from there.
+    ({1}, [True, True, False, False, False]),
+])
+def test_o_direct_refused_midway_falls_back_for_good(tmp_path, monkeypatch,
+                                                     refusals, expected):
+  if not _direct_allowed(tmp_path):
+    pytest.skip("this file system refuses O_DIRECT")
+  writes = _Writes(monkeypatch, tmp_path,
+                   fail=lambda i, call: errno.EINVAL if i in refusals else 0)
+  data = os.urandom(3 * _STAGE + 999)
+  with local_fs.LocalFileSystem().atomic_writer(str(tmp_path / "f")) as write:
+    write(data)
+  assert (tmp_path / "f").read_bytes() == data
+  assert [c["direct"] for c in writes.calls] == expected
+  assert [c["size"] for c in writes.calls] == [_STAGE] * 4 + [999]
+
+
+def test_einval_from_an_ordinary_write_is_an_error(tmp_path, monkeypatch):
+  """After the fall-back, EINVAL is not taken for O_DIRECT's refusal again."""
+  if not _direct_allowed(tmp_path):
+    pytest.skip("this file system refuses O_DIRECT")
+  _Writes(monkeypatch, tmp_path,
+          fail=lambda i, call: errno.EINVAL if i in (0, 2) else 0)
+  with pytest.raises(OSError) as raised:
+    with local_fs.LocalFileSystem().atomic_writer(str(tmp_path / "f")) as w:
+      w(os.urandom(3 * _STAGE + 999))
+  assert raised.value.errno == errno.EINVAL
+  assert raised.value.filename == str(tmp_path / "f")
+  assert os.listdir(tmp_path) == []
+
+
+def test_o_direct_refused_at_once_means_ordinary_writes(tmp_path, monkeypatch):
+  """A file system refusing O_DIRECT (fcntl's EINVAL): every write ordinary,
+  and an ordinary write's EINVAL is an error, not a refusal to retry."""
+  if not _O_DIRECT:
+    pytest.skip("no O_DIRECT here")
+  real_fcntl = fcntl.fcntl
+
+  def refusing(fd, cmd, *args):
+    if cmd == fcntl.F_SETFL and args and args[0] & _O_DIRECT:
+      raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    return real_fcntl(fd, cmd, *args)
+
+  monkeypatch.setattr(fcntl, "fcntl", refusing)
+  writes = _Writes(monkeypatch, tmp_path)
+  data = os.urandom(2 * _STAGE + 3)
+  with local_fs.LocalFileSystem().atomic_writer(str(tmp_path / "f")) as write:
+    write(data)
+  assert (tmp_path / "f").read_bytes() == data
+  assert writes.summary() == [(_STAGE, False), (_STAGE, False), (3, False)]
+  _Writes(monkeypatch, tmp_path,
+          fail=lambda i, call: errno.EINVAL if i == 0 else 0)
+  with pytest.raises(OSError) as raised:
+    with local_fs.LocalFileSystem().atomic_writer(str(tmp_path / "g")) as w:
+      w(data)
+  assert raised.value.errno == errno.EINVAL
+  assert sorted(os.listdir(tmp_path)) == ["f"]
+
+
+def test_without_o_direct_large_pieces_skip_the_staging(tmp_path,
+                                                        monkeypatch):
+  if _O_DIRECT:
+    monkeypatch.delattr(os, "O_DIRECT")  # as on a platform without it
+  writes = _Writes(monkeypatch, tmp_path)
+  data = os.urandom(2 * _STAGE + 4)
+  with local_fs.LocalFileSystem().atomic_writer(str(tmp_path / "f")) as write:
+    write(data[:_STAGE])
+    write(data[_STAGE:_STAGE + 4])
+    write(data[_STAGE + 4:])
+  assert (tmp_path / "f").read_bytes() == data
+  assert writes.summary() == [(_STAGE, False), (_STAGE, False), (4, False)]
+  main = threading.current_thread().name
+  assert writes.calls[0]["thread"] == main  # written as it came, no copy
+  assert writes.calls[1]["thread"].startswith("clu_ckpt-write")
+  assert writes.calls[2]["thread"] == main
+
+
+def test_short_writes_are_continued(tmp_path, monkeypatch):
+  writes = _Writes(monkeypatch, tmp_path, most=2**20)
+  fs = local_fs.LocalFileSystem()
+  data = os.urandom(2 * _STAGE + 3 * 2**20 + 5)
+  with fs.atomic_writer(str(tmp_path / "f")) as write:
+    write(data)
+  fs.create_exclusive(str(tmp_path / "lock"), data[:3 * 2**20 + 5])
+  assert (tmp_path / "f").read_bytes() == data
+  assert (tmp_path / "lock").read_bytes() == data[:3 * 2**20 + 5]
+  assert len(writes.calls) > 32
+
+
+def _file_size_limit(limit: int):
+  """RLIMIT_FSIZE at `limit`: the kernel then fails writes past it (EFBIG)."""
+  soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+  try:
+    yield
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, handler)
+
+
+_file_size_limit = contextlib.contextmanager(_file_size_limit)
+
+
+def test_a_failed_buffer_write_names_the_file_or_yields_to_the_callers_error(
+    tmp_path):
+  target = tmp_path / "big.bin"
+  fs = local_fs.LocalFileSystem()
+  with _file_size_limit(2**16):
+    # The writer thread's error surfaces when the stream is closed.
+    with pytest.raises(OSError) as raised:
+      with fs.atomic_writer(str(target)) as write:
+        write(b"x" * (_STAGE + 10))
+    assert raised.value.errno == errno.EFBIG
+    assert raised.value.filename == str(target)
+    # The caller's own error wins; nothing more is written.
+    with pytest.raises(RuntimeError, match="the caller's"):
+      with fs.atomic_writer(str(target)) as write:
+        write(b"x" * (_STAGE + 10))
+        raise RuntimeError("the caller's")
+  assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------
+# Read-ahead advice: what is populated, and what is resident.
+# ---------------------------------------------------------------------------
+
+
+def test_advice_that_cannot_be_given_is_skipped(tmp_path, monkeypatch):
+  (tmp_path / "f").write_bytes(b"abc" * 5000)
+  with open(tmp_path / "f", "rb") as f:
+    closed = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    live = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+  closed.close()
+  # pylint: disable=protected-access
+  for advise in (lambda b: local_fs._advise(b, populate=False),
+                 local_fs._populate):
+    advise(closed)    # ValueError
+    advise(object())  # AttributeError: no madvise at all
+  monkeypatch.setattr(mmap, "MADV_SEQUENTIAL", 12345)  # the kernel: EINVAL
+  monkeypatch.setattr(local_fs, "_MADV_POPULATE_READ", 12345)
+  local_fs._advise(live, populate=False)
+  local_fs._populate(live)
+  # pylint: enable=protected-access
+  assert live[:3] == b"abc"
+  live.close()
+
+
+def test_residency_false_when_it_cannot_be_told():
+  # Not page-aligned memory: mincore(2) refuses it.
+  assert local_fs._resident(b"abc" * 5000) is False  # pylint: disable=protected-access
+  # Not a buffer at all.
+  assert local_fs._resident(object()) is False  # pylint: disable=protected-access
+
+
+def _evict_pages(path, first: int, count: int) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.posix_fadvise(fd, first * mmap.PAGESIZE, count * mmap.PAGESIZE,
+                     os.POSIX_FADV_DONTNEED)
+  finally:
+    os.close(fd)
+
+
+def _cached_except(path, size: int, missing) -> None:
+  """Writes `size` random bytes to `path`, cached except page `missing`.
+
+  The file is evicted whole, then read back a page at a time without
+  read-ahead (`POSIX_FADV_RANDOM`), skipping `missing`.
+  """
+  with open(path, "wb") as f:
+    f.write(os.urandom(size))
+    f.flush()
+    os.fsync(f.fileno())  # clean pages: evictable
+  _evict(path)
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    for page in range(-(-size // mmap.PAGESIZE)):
+      if page != missing:
+        os.pread(fd, 1, page * mmap.PAGESIZE)
+  finally:
+    os.close(fd)
+
+
+@pytest.mark.parametrize("pages, tail, missing", [
+    # every page of a small file is asked: the first, a middle one, the
+    # partial last one
+    (3, 100, None), (3, 100, 0), (3, 100, 1), (3, 100, 3),
+    # a sampled file (a page in every two): the last page is asked as well
+    (2050, 0, 2049),
+])
+def test_residency_asks_the_first_the_sampled_and_the_last_page(
+    tmp_path, pages, tail, missing):
+  if not hasattr(os, "posix_fadvise"):
+    pytest.skip("no posix_fadvise: the page cache cannot be emptied")
+  path = str(tmp_path / "f")
+  _cached_except(path, pages * mmap.PAGESIZE + tail, missing)
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                        access=mmap.ACCESS_READ) as mapped:
+    share = _resident_share(mapped)
+    total = pages + (1 if tail else 0)
+    if share < 0 or share < (total - 1) / total - 1e-9 or (
+        missing is not None and share == 1):
+      pytest.skip(f"the page cache cannot be controlled here ({share:.0%})")
+    assert local_fs._resident(mapped) is (missing is None)  # pylint: disable=protected-access
+
+
+def test_map_populates_uncached_files_up_to_the_share(tmp_path, monkeypatch):
+  if not hasattr(os, "posix_fadvise"):
+    pytest.skip("no posix_fadvise: the page cache cannot be emptied")
+  size = 64 * mmap.PAGESIZE
+  path = str(tmp_path / "f")
+  _cached_except(path, size, None)
+  populated = []
+  real = local_fs._populate  # pylint: disable=protected-access
+  monkeypatch.setattr(local_fs, "_populate",
+                      lambda buffer: populated.append(len(buffer)) or
+                      real(buffer))
+  fs = local_fs.LocalFileSystem()
+
+  def cold_map(**kwargs):
+    _evict(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                          access=mmap.ACCESS_READ) as probe:
+      if _resident_share(probe) > 0.05:
+        pytest.skip("the page cache cannot be emptied here")
+    fs.map(path, **kwargs).close()
+
+  cold_map(populate=False)
+  assert populated == []
+  cold_map()  # populate=True, the default
+  assert populated == [size]
+  memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  share = size / memory
+  for _ in range(8):  # the share whose product is the size, exactly
+    if memory * share == size:
+      break
+    share = math.nextafter(share, 1 if memory * share < size else 0)
+  assert memory * share == size
+  monkeypatch.setattr(local_fs, "_POPULATE_MAX_SHARE", share)
+  cold_map()
+  assert populated == [size, size]  # up to the share: included
+  monkeypatch.setattr(local_fs, "_POPULATE_MAX_SHARE",
+                      math.nextafter(share, 0))
+  cold_map()
+  assert populated == [size, size]  # a byte over it: not populated

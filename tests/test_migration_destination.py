@@ -284,10 +284,283 @@ def test_local_roots_are_never_lost(tmp_path):
     # (what takes a lease over on a bucket) does not make it lost here.
     (tmp_path / ".clu_ckpt.lock").write_text(json.dumps(
         dict(host="elsewhere", pid=1, token="not-ours")))
-    assert destination.ensure_held(root) is None
+    destination.ensure_held(root)  # raises if the root counted as lost
+    manifest = destination.read_manifest(root)
+    manifest.record("/runs/a", 1, "ckpt-1", 10)  # checks it, and writes
+    assert destination.read_manifest(root).recorded("/runs/a").keys() == {1}
     with pytest.raises(errors.DestinationLockedError):
       with destination.lock(root):
         pass
-  assert destination.ensure_held(root) is None  # not held: nothing to lose
+  destination.ensure_held(root)  # not held: nothing to lose
+  manifest.forget("/runs/a", 1)
   with destination.lock(root):  # released on leaving the block
-    assert destination.ensure_held(root) is None
+    destination.ensure_held(root)
+    manifest.record("/runs/a", 2, "ckpt-2", 20)
+  assert destination.read_manifest(root).recorded("/runs/a").keys() == {2}
+
+
+# --------------------------------------------------------------------------
+# The lock file's details and the manifest's every rule (each assertion
+# below kills a mutant of docs/MUTATION.md's run of this module).
+# --------------------------------------------------------------------------
+
+
+def _open_lock_fd(path):
+  """This process' descriptor of `path` (the lock `lock()` keeps open)."""
+  for name in os.listdir("/proc/self/fd"):
+    try:
+      if os.readlink(f"/proc/self/fd/{name}") == str(path):
+        return int(name)
+    except OSError:
+      continue
+  raise AssertionError(f"{path} is not open")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux only")
+def test_lock_file_is_opened_for_reading_and_writing_never_inherited(
+    tmp_path):
+  import fcntl  # pylint: disable=g-import-not-at-top
+  old = os.umask(0o022)
+  try:
+    with destination.lock(str(tmp_path)) as holder:
+      path = tmp_path / destination.LOCK_NAME
+      fd = _open_lock_fd(path)
+      flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+      assert flags & os.O_ACCMODE == os.O_RDWR
+      assert flags & os.O_NONBLOCK  # a FIFO put there never blocks the open
+      assert fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+      assert os.stat(path).st_mode & 0o777 == 0o644
+      # The record names this process, as JSON from the file's first byte.
+      assert json.loads(path.read_bytes()) == holder
+      assert holder["host"] and holder["pid"] == os.getpid()
+  finally:
+    os.umask(old)
+  assert (tmp_path / destination.LOCK_NAME).read_bytes() == b""
+
+
+def test_lock_file_refusals_name_the_file_and_what_to_do(tmp_path):
+  path = tmp_path / destination.LOCK_NAME
+  path.symlink_to(tmp_path / "elsewhere")
+  with pytest.raises(errors.MigrationError) as e:
+    with destination.lock(str(tmp_path)):
+      pass
+  assert str(e.value) == (f"{path}: the lock file is a symlink; refused "
+                          "(remove it if nothing is migrating)")
+  path.unlink()
+  os.mkfifo(path)
+  with pytest.raises(errors.MigrationError) as e:
+    with destination.lock(str(tmp_path)):
+      pass
+  assert str(e.value) == (f"{path}: the lock file is not a regular file; "
+                          "refused (remove it if nothing is migrating)")
+  path.unlink()
+  (tmp_path / "other").write_text("")
+  os.link(tmp_path / "other", path)
+  os.link(tmp_path / "other", tmp_path / "third")
+  with pytest.raises(errors.MigrationError) as e:
+    with destination.lock(str(tmp_path)):
+      pass
+  assert str(e.value) == (f"{path}: the lock file has 3 hard links; refused "
+                          "(remove it if nothing is migrating)")
+  assert (tmp_path / "other").read_text() == ""
+
+
+def test_lock_file_that_cannot_be_opened_is_the_os_error(tmp_path):
+  (tmp_path / destination.LOCK_NAME).mkdir()
+  with pytest.raises(IsADirectoryError) as e:
+    with destination.lock(str(tmp_path)):
+      pass
+  assert not isinstance(e.value, errors.MigrationError)
+  assert e.value.filename == str(tmp_path / destination.LOCK_NAME)
+
+
+@pytest.mark.parametrize("record, named", [
+    (b"[1, 2]", "a process"),          # JSON, but not a holder
+    (b"\xff\xfe", "a process"),        # not UTF-8
+    (b"{\"host\": ", "a process"),     # cut short
+    (b"   ", "a process"),             # blank
+    (json.dumps({"host": "h1", "pid": 7, "since": "s"}).encode(),
+     "host h1, pid 7, since s"),
+])
+def test_a_held_lock_names_what_its_file_says(tmp_path, record, named):
+  child = _holder(tmp_path)
+  try:
+    (tmp_path / destination.LOCK_NAME).write_bytes(record)
+    with pytest.raises(errors.DestinationLockedError) as e:
+      with destination.lock(str(tmp_path)):
+        pass
+    assert str(e.value) == (
+        f"{tmp_path}: another migration is writing here ({named}; lock "
+        f"{tmp_path / destination.LOCK_NAME}); wait for it, or stop it")
+    expected = json.loads(record) if named != "a process" else {}
+    assert e.value.holder == expected
+  finally:
+    child.kill()
+    child.wait()
+
+
+def test_manifest_records_replace_and_sort_and_keep_their_fields(tmp_path):
+  manifest = destination.read_manifest(str(tmp_path))
+  assert manifest.path == str(tmp_path / destination.MANIFEST_NAME)
+  assert manifest.data == {"format": destination.MANIFEST_FORMAT,
+                           "sources": []}
+  manifest.record("/runs/a", 3, "ckpt-3", 300)
+  manifest.record("/runs/a", 1, "ckpt-1", 100, kind="Checkpoint",
+                  verified=True)
+  manifest.record("/runs/a", 3, "ckpt-3", 333)  # written again: replaced
+  manifest.record("/runs/b", 1, "model-1", 10, kind="MultihostCheckpoint")
+  data = json.loads((tmp_path / destination.MANIFEST_NAME).read_bytes())
+  assert data["format"] == destination.MANIFEST_FORMAT
+  a, b = data["sources"]
+  assert (a["path"], a["kind"], b["path"], b["kind"]) == (
+      "/runs/a", "", "/runs/b", "MultihostCheckpoint")
+  assert [(c["number"], c["name"], c["step"], c["verified"])
+          for c in a["checkpoints"]] == [(1, "ckpt-1", 100, True),
+                                         (3, "ckpt-3", 333, False)]
+  assert all(c["migrated_at"].startswith("20") for c in a["checkpoints"])
+  again = destination.read_manifest(str(tmp_path))
+  assert again.data == data and again.sources == ["/runs/a", "/runs/b"]
+  assert again.recorded("/runs/a") == {1: a["checkpoints"][0],
+                                       3: a["checkpoints"][1]}
+  assert again.recorded("/runs/b") == {1: b["checkpoints"][0]}
+
+
+def test_forget_drops_one_record_and_writes_only_when_it_did(tmp_path):
+  path = tmp_path / destination.MANIFEST_NAME
+  manifest = destination.read_manifest(str(tmp_path))
+  manifest.forget("/runs/a", 1)  # nothing recorded: nothing written
+  assert not path.exists()
+  for number in (1, 2):
+    manifest.record("/runs/a", number, f"ckpt-{number}", number * 10)
+  manifest.record("/runs/b", 1, "ckpt-1", 10)
+  manifest.forget("/runs/a", 1)
+  again = destination.read_manifest(str(tmp_path))
+  assert sorted(again.recorded("/runs/a")) == [2]
+  assert sorted(again.recorded("/runs/b")) == [1]
+  written = os.stat(path).st_ino  # each save is a new file renamed over it
+  manifest.forget("/runs/a", 1)   # already gone
+  manifest.forget("/runs/c", 2)   # never recorded
+  assert os.stat(path).st_ino == written
+  manifest.forget("/runs/a", 2)
+  assert destination.read_manifest(str(tmp_path)).recorded("/runs/a") == {}
+
+
+def test_a_lost_lease_writes_no_manifest(tmp_path, monkeypatch):
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import lease as lease_lib  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root = str(tmp_path / "root")
+  storage.makedirs(root)
+  manifest = destination.read_manifest(root)
+  lock = storage.join(root, destination.LOCK_NAME)
+  held = lease_lib.Lease.acquire(root, lock)  # a lease, as on a bucket
+  try:
+    manifest.record("/runs/a", 1, "ckpt-1", 10)
+    before = (tmp_path / "root" / destination.MANIFEST_NAME).read_bytes()
+    with storage.atomic_writer(lock) as write:  # taken over
+      write(json.dumps({"host": "thief", "pid": 42, "since": "then",
+                        "token": "theirs"}).encode())
+    for attempt in (lambda: manifest.record("/runs/a", 2, "ckpt-2", 20),
+                    lambda: manifest.forget("/runs/a", 1),
+                    manifest.save):
+      with pytest.raises(errors.MigrationError) as e:
+        attempt()
+      assert str(e.value).startswith(f"lost the lock on {root} to thief "
+                                     "pid 42")
+    assert manifest.recorded("/runs/a").keys() == {1}  # not even in memory
+    assert (tmp_path / "root" / destination.MANIFEST_NAME
+            ).read_bytes() == before
+  finally:
+    held.release()
+
+
+def test_other_sources_are_refused_with_what_and_how(tmp_path):
+  manifest = destination.read_manifest(str(tmp_path))
+  manifest.record("/runs/a", 1, "ckpt-1", 1)
+  manifest.record("/runs/b", 1, "ckpt-1", 1)
+  manifest.check_source("/runs/a", allow_other_sources=True)
+  with pytest.raises(errors.MigrationError) as e:
+    manifest.check_source("/runs/a", allow_other_sources=False)
+  assert str(e.value) == (
+      f"{tmp_path}: already holds the migration of /runs/b (see "
+      f"{manifest.path}); choose another destination, or allow other "
+      "sources (--allow-other-sources)")
+  with pytest.raises(errors.MigrationError) as e:
+    manifest.check_source("/runs/c", allow_other_sources=False)
+  assert "the migration of /runs/a (see" in str(e.value)
+  empty = destination.read_manifest(str(tmp_path / "new"))
+  empty.check_source("/runs/a", allow_other_sources=False)
+  empty.check_source("/runs/a", allow_other_sources=False, foreign_steps={})
+  with pytest.raises(errors.MigrationError) as e:
+    empty.check_source("/runs/a", allow_other_sources=False,
+                       foreign_steps={9: "x", 5: "an Orbax step"})
+  assert str(e.value) == (
+      f"{tmp_path / 'new'}: holds 2 step(s) that are not from /runs/a "
+      "(step 5: an Orbax step); choose another destination, or allow other "
+      "sources (--allow-other-sources)")
+
+
+@pytest.mark.parametrize("data, problem", [
+    ({"format": "other"}, "format is not 'clu_ckpt.manifest/1'"),
+    ({"sources": []}, "format is not 'clu_ckpt.manifest/1'"),
+    ("clu_ckpt.manifest/1", "format is not 'clu_ckpt.manifest/1'"),
+    ({"format": destination.MANIFEST_FORMAT, "sources": {}},
+     "no list of sources"),
+    ({"format": destination.MANIFEST_FORMAT, "sources": ["/a"]},
+     "a source without a path"),
+    ({"format": destination.MANIFEST_FORMAT, "sources": [{"path": 1}]},
+     "a source without a path"),
+    ({"format": destination.MANIFEST_FORMAT, "sources": [{"path": "/a"}]},
+     "source /a: no list of checkpoints"),
+    ({"format": destination.MANIFEST_FORMAT, "sources": [
+        {"path": "/a", "checkpoints": [[1, 1]]}]},
+     "source /a: a checkpoint without number/step"),
+    ({"format": destination.MANIFEST_FORMAT, "sources": [
+        {"path": "/a", "checkpoints": [{"number": 1, "step": 1}]},
+        {"path": "/b", "checkpoints": [{"number": 1}]}]},
+     "source /b: a checkpoint without number/step"),
+    ({"format": destination.MANIFEST_FORMAT, "sources": [
+        {"path": "/a", "checkpoints": [{"number": 1, "step": True}]}]},
+     "source /a: a checkpoint without number/step"),
+    ({"format": destination.MANIFEST_FORMAT, "sources": [
+        {"path": "/a", "checkpoints": [{"number": 1.0, "step": 1}]}]},
+     "source /a: a checkpoint without number/step"),
+])
+def test_not_a_manifest_is_refused_saying_what_is_wrong(tmp_path, data,
+                                                        problem):
+  path = tmp_path / destination.MANIFEST_NAME
+  path.write_text(json.dumps(data))
+  with pytest.raises(errors.MigrationError) as e:
+    destination.read_manifest(str(tmp_path))
+  assert str(e.value) == (f"{path}: not a clu_ckpt manifest ({problem}); "
+                          "move it away if it is not needed")
+
+
+def test_a_sound_manifest_of_every_shape_is_read(tmp_path):
+  data = {"format": destination.MANIFEST_FORMAT, "sources": [
+      {"path": "/a", "checkpoints": []},
+      {"path": "/b", "kind": "Checkpoint", "checkpoints": [
+          {"number": 1, "step": 10}, {"number": 2, "step": 20, "x": 1}]}]}
+  (tmp_path / destination.MANIFEST_NAME).write_text(json.dumps(data))
+  manifest = destination.read_manifest(str(tmp_path))
+  assert manifest.data == data and manifest.sources == ["/a", "/b"]
+
+
+def test_manifest_size_limit_and_unreadable_ones_name_the_file(tmp_path,
+                                                               monkeypatch):
+  path = tmp_path / destination.MANIFEST_NAME
+  destination.read_manifest(str(tmp_path)).record("/a", 1, "ckpt-1", 1)
+  size = path.stat().st_size
+  monkeypatch.setattr(destination, "MAX_MANIFEST_BYTES", size)
+  assert destination.read_manifest(str(tmp_path)).sources == ["/a"]
+  monkeypatch.setattr(destination, "MAX_MANIFEST_BYTES", size - 1)
+  with pytest.raises(errors.MigrationError) as e:
+    destination.read_manifest(str(tmp_path))
+  assert str(e.value) == (f"{path}: {size} bytes, not a clu_ckpt manifest "
+                          f"(at most {size - 1})")
+  monkeypatch.undo()
+  path.write_bytes(b"\xff{}")
+  with pytest.raises(errors.MigrationError) as e:
+    destination.read_manifest(str(tmp_path))
+  assert str(e.value).startswith(f"{path}: unreadable manifest: ")
+  assert isinstance(e.value.__cause__, UnicodeDecodeError)

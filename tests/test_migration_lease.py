@@ -8,7 +8,13 @@ here the refresher is driven directly (and by its own thread) on a local
 root and on the GCS emulator.
 """
 
+import datetime
+import hashlib
 import json
+import logging
+import os
+import re
+import socket
 import time
 
 import pytest
@@ -141,3 +147,393 @@ def test_a_lease_lapsed_unnoticed_leaves_its_lock_on_release(tmp_path,
   held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
   held.release()  # nobody called check(): the age alone decides
   assert storage.read_bytes(path) == mine
+
+
+def _lost_records(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.levelno == logging.ERROR and "lost the lock" in r.getMessage()]
+
+
+@pytest.mark.parametrize("replacement", ["thief", "bare", "garbage",
+                                         "not_a_record", "removed"])
+def test_a_lost_lease_names_the_new_holder_as_far_as_known(
+    tmp_path, monkeypatch, caplog, replacement):
+  """The error (and the one log line) says who holds the lock now: host,
+  pid and since of a full record, `?` for what a record lacks, and that the
+  lock object was replaced or removed when it names nobody."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  rest = "; this migration writes nothing more there"
+  expected = {
+      "thief": f"lost the lock on {root} to thief-host pid 4242 (since now)",
+      "bare": f"lost the lock on {root} to ? pid ? (since ?)",
+      "garbage": f"lost the lock on {root}: its lock object {path} was "
+                 "replaced or removed",
+      "not_a_record": f"lost the lock on {root}: its lock object {path} "
+                      "was replaced or removed",
+      "removed": f"lost the lock on {root}: its lock object {path} was "
+                 "replaced or removed",
+  }[replacement] + rest
+  try:
+    if replacement == "removed":
+      storage.remove(path)
+    else:
+      with storage.atomic_writer(path) as write:
+        write({"thief": _thief(),
+               "bare": json.dumps({"token": "other"}).encode("utf-8"),
+               "garbage": b"\xff not a lock",
+               "not_a_record": b'["not", "a", "record"]'}[replacement])
+    with caplog.at_level(logging.ERROR):
+      for _ in range(2):  # lost once, logged once, raised every time
+        with pytest.raises(errors.MigrationError) as raised:
+          lease_lib.ensure_held(root)
+        assert str(raised.value) == expected
+    assert _lost_records(caplog) == [expected]
+  finally:
+    held.release()
+  assert storage.exists(path) is (replacement != "removed")
+
+
+def test_a_lapsed_lease_whose_lock_was_taken_names_the_taker(tmp_path,
+                                                             monkeypatch):
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    _steal(path)
+    mono, wall = held._ok  # pylint: disable=protected-access
+    held._ok = (mono - 100, wall - 100)  # pylint: disable=protected-access
+    with pytest.raises(errors.MigrationError) as raised:
+      held.check()
+    assert str(raised.value) == (
+        f"lost the lock on {root} to thief-host pid 4242 (since now); this "
+        "migration writes nothing more there")
+  finally:
+    held.release()
+  assert storage.read_bytes(path) == _thief()
+
+
+def test_a_lapsed_lease_whose_lock_cannot_be_read_says_why(tmp_path,
+                                                           monkeypatch):
+  """By its own clock the holder knows it lapsed, even when the lock cannot
+  be read (here it is a directory now: an OSError)."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    storage.remove(path)
+    os.mkdir(path)
+    # Last written 100 s ago by both clocks (to the millisecond).
+    held._ok = (time.monotonic() - 100, time.time() - 100)  # pylint: disable=protected-access
+    with pytest.raises(errors.MigrationError) as raised:
+      held.check()
+    assert str(raised.value) == (
+        f"lost the lock on {root}: not refreshed for 100 s, longer than its "
+        "60 s lease (paused, or the store unreachable), so another migration "
+        "may take it over; this migration writes nothing more there")
+  finally:
+    held.release()
+  assert os.path.isdir(path)
+
+
+def test_a_lock_that_cannot_be_read_is_left_to_the_lease_clock(
+    tmp_path, monkeypatch, caplog):
+  """`ensure_held` reads the lock before a write; a read that fails (here
+  the lock is a directory now) is logged naming the lock, and the lease's
+  own clock decides: still within it, the holder goes on."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    storage.remove(path)
+    os.mkdir(path)
+    with caplog.at_level(logging.WARNING):
+      lease_lib.ensure_held(root)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"{root}: could not read the lock {path} (")
+    assert path in warnings[0][len(f"{root}: could not read the lock {path} ("):]
+  finally:
+    held.release()
+
+
+def test_each_refresh_records_when(tmp_path, monkeypatch):
+  _, path, held = _held(tmp_path, monkeypatch)
+  try:
+    before = json.loads(storage.read_bytes(path))
+    held.record["refreshed"] = "2000-01-01T00:00:00+00:00"
+    held._refresh()  # pylint: disable=protected-access
+    after = json.loads(storage.read_bytes(path))
+  finally:
+    held.release()
+  assert set(after) == set(before)
+  assert after["refreshed"] >= before["refreshed"]  # ISO 8601, UTC
+  assert {k: v for k, v in after.items() if k not in ("refreshed", "seq")} == (
+      {k: v for k, v in before.items() if k not in ("refreshed", "seq")})
+
+
+def test_a_refresh_after_the_lease_lapsed_loses_it(tmp_path, monkeypatch):
+  root, path, held = _held(tmp_path, monkeypatch)
+  mine = storage.read_bytes(path)
+  try:
+    held._ok = (time.monotonic() - 100, time.time() - 100)  # pylint: disable=protected-access
+    held._refresh()  # pylint: disable=protected-access
+    assert storage.read_bytes(path) == mine  # not rewritten
+    with pytest.raises(errors.MigrationError) as raised:
+      held.check()
+    assert str(raised.value).startswith(
+        f"lost the lock on {root}: not refreshed for 100 s, longer than its "
+        "60 s lease")
+  finally:
+    held.release()
+  assert storage.read_bytes(path) == mine
+
+
+# Taking over a stale lock, on a local root (the same code as on a bucket,
+# where test_migration_destination_buckets.py races real processes): the
+# lock's modification time is set back instead of waiting for it to age.
+
+
+def _stale_thief(tmp_path, age=200.0):
+  root = str(tmp_path)
+  path = storage.join(root, ".clu_ckpt.lock")
+  _steal(path)
+  old = time.time() - age
+  os.utime(path, (old, old))
+  marker = path + lease_lib.TAKEOVER_INFIX + hashlib.sha256(
+      _thief()).hexdigest()[:16]
+  return root, path, marker
+
+
+def _claim(host, pid):
+  return json.dumps({"host": host, "pid": pid, "since": "then",
+                     "token": "claim"}).encode("utf-8")
+
+
+def test_a_stale_lock_is_taken_over_under_a_marker_of_its_bytes(
+    tmp_path, monkeypatch, caplog):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  with caplog.at_level(logging.INFO):
+    held = lease_lib.Lease.acquire(root, path)
+  taking = [r.getMessage() for r in caplog.records
+            if "taking over" in r.getMessage()]
+  assert len(taking) == 1 and re.fullmatch(
+      f"{re.escape(root)}: taking over the lock last held by host "
+      r"thief-host, pid 4242 \(since now\), not refreshed for 2\d\d s",
+      taking[0]), taking
+  try:
+    record = json.loads(storage.read_bytes(path))
+    assert record == held.record
+    assert json.loads(storage.read_bytes(marker)) == {
+        k: held.record[k] for k in ("host", "pid", "since", "token")}
+    lease_lib.ensure_held(root)
+  finally:
+    held.release()
+  assert not storage.exists(path)
+  assert storage.exists(marker)  # kept: a late contender cannot claim again
+
+
+def test_a_lock_fresh_by_its_modification_time_is_not_taken_over(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path, age=60.0)  # < 1.5 leases + 1
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host thief-host, pid 4242,"
+      f" since now; lock {path}); wait for it, or stop it")
+  assert storage.read_bytes(path) == _thief()
+  assert not storage.exists(marker)
+
+
+def test_a_stale_lock_claimed_by_another_is_left_to_it(tmp_path,
+                                                      monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  storage.create_exclusive(marker, _claim("claimer", 7))
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host claimer, pid 7, "
+      f"since then; lock {path}); wait for it, or stop it")
+  assert storage.read_bytes(path) == _thief()
+  assert storage.read_bytes(marker) == _claim("claimer", 7)
+
+
+def test_a_dead_claimant_is_stepped_over_to_a_marker_all_derive(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  storage.create_exclusive(marker, _claim("dead", 9))
+  old = time.time() - 200
+  os.utime(marker, (old, old))  # its claimant never wrote the lock
+  key = marker.rsplit("-", 1)[1]
+  second = path + lease_lib.TAKEOVER_INFIX + hashlib.sha256(
+      key.encode("ascii") + _claim("dead", 9)).hexdigest()[:16]
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    assert json.loads(storage.read_bytes(path))["token"] == (
+        held.record["token"])
+    assert json.loads(storage.read_bytes(second))["token"] == (
+        held.record["token"])
+    assert storage.read_bytes(marker) == _claim("dead", 9)
+  finally:
+    held.release()
+
+
+def test_the_locked_error_names_the_holder_as_far_as_known():
+  message = "r: another migration is writing here ({}; lock r/l); wait for " \
+            "it, or stop it"
+  for holder, who in (
+      ({"host": "h", "pid": 1, "since": "s"}, "host h, pid 1, since s"),
+      ({"token": "t"}, "host ?, pid ?, since ?"),
+      ({}, "a process")):
+    error = lease_lib.locked_error("r", "r/l", holder)
+    assert str(error) == message.format(who)
+    assert isinstance(error, errors.DestinationLockedError)
+
+
+def test_a_stale_lock_is_judged_by_its_holders_longer_lease(tmp_path,
+                                                           monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root = str(tmp_path)
+  path = storage.join(root, ".clu_ckpt.lock")
+  record = json.loads(_thief())
+  for theirs, taken in ((600, False), ("junk", True), (float("nan"), True)):
+    record["lease_seconds"] = theirs
+    with storage.atomic_writer(path) as write:
+      write(json.dumps(record).encode("utf-8"))
+    old = time.time() - 200  # stale by 60 s leases, not by 600 s ones
+    os.utime(path, (old, old))
+    if not taken:
+      with pytest.raises(errors.DestinationLockedError,
+                         match="host thief-host, pid 4242"):
+        lease_lib.Lease.acquire(root, path)
+      continue
+    held = lease_lib.Lease.acquire(root, path)
+    held.release()
+    assert not storage.exists(path), theirs
+
+
+def test_a_lock_rewritten_while_looked_at_is_alive(tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  stat = storage.stat
+
+  def refreshed_meanwhile(p):
+    if p == path:  # its holder rewrites it between our two reads
+      with storage.atomic_writer(path) as write:
+        write(_thief(token="refreshed"))
+    return stat(p)
+
+  monkeypatch.setattr(storage, "stat", refreshed_meanwhile)
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host thief-host, pid 4242,"
+      f" since now; lock {path}); wait for it, or stop it")
+  assert not storage.exists(marker)
+
+
+def test_markers_that_cannot_be_cleaned_are_only_logged(tmp_path, monkeypatch,
+                                                        caplog):
+  def failing_glob(pattern):
+    raise OSError(5, "Input/output error", pattern)
+
+  monkeypatch.setattr(storage, "glob", failing_glob)
+  with caplog.at_level(logging.WARNING):
+    root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    assert [r.getMessage() for r in caplog.records
+            if "takeover markers" in r.getMessage()] == [
+                f"{root}: could not clean old takeover markers: [Errno 5] "
+                f"Input/output error: '{storage.glob_escape(path)}"
+                f"{lease_lib.TAKEOVER_INFIX}*'"]
+    lease_lib.ensure_held(root)
+  finally:
+    held.release()
+
+
+def test_a_refresh_that_fails_is_retried_and_logged(tmp_path, monkeypatch,
+                                                    caplog):
+  root, path, held = _held(tmp_path, monkeypatch, "3")  # every 1 s
+  read_bytes = storage.read_bytes
+
+  def failing_read(p, *args, **kwargs):
+    if p == path:
+      raise OSError(5, "Input/output error", p)
+    return read_bytes(p, *args, **kwargs)
+
+  try:
+    with caplog.at_level(logging.WARNING):
+      monkeypatch.setattr(storage, "read_bytes", failing_read)
+      deadline = time.monotonic() + 10
+      expected = (f"{root}: could not refresh the lock {path} ([Errno 5] "
+                  f"Input/output error: '{path}'); retrying")
+      while expected not in [r.getMessage() for r in caplog.records]:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.05)
+      monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    # Retried after a sixth of the lease (0.5 s), well before it lapses.
+    deadline = time.monotonic() + 1.5
+    while json.loads(storage.read_bytes(path))["seq"] < 1:
+      assert time.monotonic() < deadline, "not retried"
+      time.sleep(0.05)
+    lease_lib.ensure_held(root)
+  finally:
+    held.release()
+
+
+def test_a_lock_that_cannot_be_removed_on_release_is_left_to_lapse(
+    tmp_path, monkeypatch, caplog):
+  root, path, held = _held(tmp_path, monkeypatch)
+  remove = storage.remove
+
+  def failing_remove(p):
+    raise OSError(5, "Input/output error", p)
+
+  monkeypatch.setattr(storage, "remove", failing_remove)
+  with caplog.at_level(logging.WARNING):
+    held.release()
+  monkeypatch.setattr(storage, "remove", remove)
+  assert [r.getMessage() for r in caplog.records
+          if r.levelno == logging.WARNING] == [
+              f"{root}: could not remove the lock {path} ([Errno 5] "
+              f"Input/output error: '{path}'); it lapses after 91 s"]
+  assert storage.exists(path)
+
+
+def test_the_lock_record_says_who_since_when_and_for_how_long(tmp_path,
+                                                             monkeypatch):
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    record = json.loads(storage.read_bytes(path))
+  finally:
+    held.release()
+  assert sorted(record) == ["host", "lease_seconds", "pid", "refreshed",
+                            "seq", "since", "token"]
+  assert (record["host"], record["pid"], record["lease_seconds"],
+          record["seq"]) == (socket.gethostname(), os.getpid(), 60.0, 0)
+  for key in ("since", "refreshed"):
+    assert datetime.datetime.fromisoformat(record[key]).utcoffset() == (
+        datetime.timedelta(0))
+  assert len(record["token"]) == 32
+
+
+def test_a_root_is_held_however_it_is_spelled(tmp_path, monkeypatch):
+  """`ensure_held` finds the lease of `root/` as of `root`; the refresher is
+  a named daemon thread (it never keeps a dying process alive)."""
+  root, path, held = _held(tmp_path, monkeypatch)
+  try:
+    assert held._thread.daemon  # pylint: disable=protected-access
+    assert held._thread.name == f"clu_ckpt-lease {root}"  # pylint: disable=protected-access
+    _steal(path)
+    with pytest.raises(errors.MigrationError, match="thief-host pid 4242"):
+      lease_lib.ensure_held(root + "/")
+  finally:
+    held.release()
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "inf", "nan", "soon"])
+def test_a_bad_lease_length_is_refused_naming_the_variable(monkeypatch, text):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, f" {text} ")
+  with pytest.raises(errors.MigrationError) as raised:
+    lease_lib.lease_seconds()
+  assert str(raised.value) == (
+      f"CLU_CKPT_LOCK_LEASE_SECONDS={text!r}: expected a positive number of "
+      "seconds")

@@ -53,7 +53,8 @@ def _files_of(number: int) -> set[str]:
 # --------------------------------------------------------------------------
 
 
-def test_sweep_removes_debris_but_never_a_checkpoint_with_its_index(tmp_path):
+def test_sweep_removes_debris_but_never_a_checkpoint_with_its_index(tmp_path,
+                                                                   caplog):
   _, manager = _setup(tmp_path, saves=4, max_to_keep=2)  # keeps 3, 4
   debris = {"ckpt-1.flax",             # pruned: no .index any more
             "ckpt-1.flax.tmp-x1",      # a killed .flax write, below oldest
@@ -70,9 +71,13 @@ def test_sweep_removes_debris_but_never_a_checkpoint_with_its_index(tmp_path):
     else:
       (tmp_path / name).write_bytes(b"x")
   before = _names(tmp_path)
-  save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
+  with caplog.at_level(logging.INFO):
+    save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
   assert _names(tmp_path) == before - debris
   assert _files_of(3) | _files_of(4) | kept <= _names(tmp_path)
+  assert sorted(r.getMessage() for r in caplog.records
+                if "leftover" in r.getMessage()) == sorted(
+                    f"Removing leftover '{tmp_path}/{name}'" for name in debris)
 
 
 def test_sweep_without_checkpoints_touches_nothing(tmp_path):
@@ -81,6 +86,33 @@ def test_sweep_without_checkpoints_touches_nothing(tmp_path):
   (tmp_path / "ckpt-1_temp").mkdir()
   save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
   assert _names(tmp_path) == {"ckpt-1.flax", "ckpt-1_temp"}
+
+
+def _unmanaged(directory: pathlib.Path, saves: int):
+  """A manager of `saves` checkpoints listed but not managed: the state
+  file's last_preserved_timestamp is in the future (a clock ahead of this
+  one), so `manager.checkpoints` is empty while the latest is listed."""
+  _setup(directory, saves=saves)
+  state_file = directory / "checkpoint"
+  lines = [l for l in state_file.read_text().splitlines()
+           if not l.startswith("last_preserved_timestamp")]
+  lines.append("last_preserved_timestamp: 9999999999.0")
+  state_file.write_text("\n".join(lines) + "\n")
+  manager = tf_manager.new_manager(tf.train.Checkpoint(v=tf.Variable(1)),
+                                   str(directory), max_to_keep=5,
+                                   checkpoint_name="ckpt")
+  assert manager.checkpoints == []
+  assert manager.latest_checkpoint == f"{directory}/ckpt-{saves}"
+  return manager
+
+
+def test_sweep_with_nothing_managed_touches_nothing(tmp_path):
+  manager = _unmanaged(tmp_path, saves=2)
+  (tmp_path / "ckpt-1_temp").mkdir()
+  (tmp_path / "ckpt-0.flax").write_bytes(b"x")
+  before = _names(tmp_path)
+  save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
+  assert _names(tmp_path) == before
 
 
 def test_sweep_failure_is_only_logged(tmp_path, monkeypatch, caplog):
@@ -93,7 +125,10 @@ def test_sweep_failure_is_only_logged(tmp_path, monkeypatch, caplog):
   monkeypatch.setattr(storage, "remove", failing_remove)
   with caplog.at_level(logging.WARNING):
     save_protocol.sweep_debris(manager, str(tmp_path), "ckpt")
-  assert f"Could not remove leftovers in {tmp_path}" in caplog.text
+  assert [r.getMessage() for r in caplog.records
+          if r.levelno == logging.WARNING] == [
+              f"Could not remove leftovers in {tmp_path}: [Errno 30] "
+              f"Read-only file system: '{tmp_path}/ckpt-1.flax'"]
   assert (tmp_path / "ckpt-1.flax").exists()
 
 
@@ -120,6 +155,38 @@ def test_future_checkpoints_include_listed_ones_after_a_gap(tmp_path):
   future = save_protocol.future_checkpoints(manager, str(tmp_path), "ckpt", 2)
   assert sorted(future) == [f"{tmp_path}/ckpt-3", f"{tmp_path}/ckpt-4"]
   assert future[f"{tmp_path}/ckpt-3"] == []
+
+
+def test_future_checkpoints_include_listed_ones_around_a_gap(tmp_path):
+  _, manager = _setup(tmp_path, saves=5)
+  for name in _files_of(4):
+    (tmp_path / name).unlink()
+  future = save_protocol.future_checkpoints(manager, str(tmp_path), "ckpt", 2)
+  assert {os.path.basename(c): {os.path.basename(p) for p in paths}
+          for c, paths in future.items()} == {
+              "ckpt-3": _files_of(3), "ckpt-4": set(), "ckpt-5": _files_of(5)}
+
+
+def test_a_latest_checkpoint_outside_is_no_future_one(tmp_path, caplog):
+  _setup(tmp_path, saves=3)
+  elsewhere = tmp_path.parent / "elsewhere"
+  (tmp_path / "checkpoint").write_text(
+      f'model_checkpoint_path: "{elsewhere}/ckpt-9"\n' + "".join(
+          f'all_model_checkpoint_paths: "{p}"\n'
+          for p in (f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2",
+                    f"{elsewhere}/ckpt-9")))
+  manager = tf_manager.new_manager(tf.train.Checkpoint(v=tf.Variable(1)),
+                                   str(tmp_path), max_to_keep=5,
+                                   checkpoint_name="ckpt")
+  assert manager.latest_checkpoint == f"{elsewhere}/ckpt-9"
+  with caplog.at_level(logging.WARNING):
+    future = save_protocol.future_checkpoints(manager, str(tmp_path), "ckpt",
+                                              1)
+  assert sorted(future) == [f"{tmp_path}/ckpt-2", f"{tmp_path}/ckpt-3"]
+  assert [r.getMessage() for r in caplog.records
+          if r.getMessage().startswith("The latest checkpoint")] == [
+              f"The latest checkpoint {elsewhere}/ckpt-9 is outside "
+              f"{tmp_path}: it is left alone"]
 
 
 def test_future_checkpoints_are_unlisted_before_their_files_go(
@@ -183,6 +250,46 @@ def test_no_future_checkpoints_leaves_everything(tmp_path):
   before = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
   save_protocol.delete_future_checkpoints(manager, str(tmp_path), "ckpt", 2)
   assert {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == before
+
+
+def test_delete_checkpoints_unlists_them_then_removes_their_files(
+    tmp_path, caplog):
+  _, manager = _setup(tmp_path, saves=3)
+  outside = tmp_path.parent / "elsewhere"
+  with caplog.at_level(logging.INFO):
+    save_protocol.delete_checkpoints(
+        manager, str(tmp_path),
+        [f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2", f"{outside}/ckpt-9"])
+  assert _listed(tmp_path) == ("ckpt-3", ["ckpt-3"])
+  assert _names(tmp_path) == {"checkpoint"} | _files_of(3)
+  assert sorted(r.getMessage() for r in caplog.records
+                if "Removing" in r.getMessage()) == sorted(
+                    f"Removing checkpoint file '{tmp_path}/{name}'"
+                    for name in _files_of(1) | _files_of(2))
+
+
+def test_delete_checkpoints_keeps_an_unmanaged_latest_listed(tmp_path):
+  """The latest checkpoint listed but not managed (older than the state
+  file's last_preserved_timestamp) stays listed when every managed one is
+  deleted: the directory still restores it."""
+  _setup(tmp_path, saves=2)
+  (tmp_path / "checkpoint").write_text(
+      f'model_checkpoint_path: "{tmp_path}/ckpt-2"\n'
+      f'all_model_checkpoint_paths: "{tmp_path}/ckpt-1"\n'
+      f'all_model_checkpoint_paths: "{tmp_path}/ckpt-2"\n'
+      "all_model_checkpoint_timestamps: 9999999999.0\n"  # the future: now
+      "all_model_checkpoint_timestamps: 1.0\n"
+      "last_preserved_timestamp: 5.0\n")
+  manager = tf_manager.new_manager(tf.train.Checkpoint(v=tf.Variable(1)),
+                                   str(tmp_path), max_to_keep=5,
+                                   checkpoint_name="ckpt")
+  assert manager.checkpoints == [f"{tmp_path}/ckpt-1"]
+  assert manager.latest_checkpoint == f"{tmp_path}/ckpt-2"
+  save_protocol.delete_checkpoints(manager, str(tmp_path),
+                                   [f"{tmp_path}/ckpt-1"])
+  assert _listed(tmp_path) == ("ckpt-2", ["ckpt-2"])
+  assert _names(tmp_path) == {"checkpoint"} | _files_of(2)
+  assert tf.train.latest_checkpoint(str(tmp_path)) == f"{tmp_path}/ckpt-2"
 
 
 # --------------------------------------------------------------------------

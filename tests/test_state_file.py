@@ -386,6 +386,7 @@ def test_hand_written_state_files(tmp_path, text):
     '\ufeffmodel_checkpoint_path: "x"\n',  # a byte order mark
     'model_checkpoint_path: "x"\nlast_preserved_timestamp: 0x10\n',
     'model_checkpoint_path: "x"\nlast_preserved_timestamp: 1.5.2\n',
+    'model_checkpoint_path: "x"\nlast_preserved_timestamp: 1X\n',
     'model_checkpoint_path: "x"\nlast_preserved_timestamp:\n',
     'model_checkpoint_path: "x" # "\nlast_preserved_timestamp: "1"\n',
 ])
@@ -431,6 +432,123 @@ def test_escapes_read_otherwise_by_protobuf_4_get_the_current_meaning(
   assert current.model_checkpoint_path == str(tmp_path / "Ã©€")
   assert state_file.read_checkpoint_state(str(tmp_path)) == current
   assert_same_as_tf(str(tmp_path))
+
+
+# What each measured release reads where they differ, value by value (the
+# values measured with protobuf 4.25.9, 5.29.6 and 7.36.2: `text_format.
+# ParseFloat`, `text_encoding.CUnescape`); the TensorFlow installed checks
+# only its own release's reading.
+PROTOBUF_4 = MEASURED_RULES["protobuf 4.25 (TensorFlow 2.16)"]
+PROTOBUF_5 = MEASURED_RULES["protobuf 5.29 (TensorFlow 2.18)"]
+
+
+@pytest.mark.parametrize("token", ["1X", "1XF", "0x1", "1.5.2"])
+def test_a_word_that_is_no_number_is_refused_by_every_release(tmp_path,
+                                                              token):
+  write_state(tmp_path, 'model_checkpoint_path: "x"\n'
+              f"last_preserved_timestamp: {token}\n")
+  path = tmp_path / "checkpoint"
+  for name, rules in [*MEASURED_RULES.items(),
+                      ("lenient", state_file.LENIENT_RULES)]:
+    got = read_with_rules(str(tmp_path), rules, strict=True)
+    assert isinstance(got, storage.CheckpointStateError), (name, got)
+    assert str(got) == (
+        f"checkpoint state file {path}: cannot parse: line 2, column 27: "
+        f"not a number: {token!r}"), name
+
+
+def test_infinities_keep_their_sign_in_every_spelling(tmp_path):
+  write_state(tmp_path, 'model_checkpoint_path: "x"\n'
+              "all_model_checkpoint_timestamps: [-inff, -Infinityf, -INFF, "
+              "inff, -inf]\nall_model_checkpoint_timestamps: -Inff\n"
+              "last_preserved_timestamp: -infinityF\n")
+  inf = float("inf")
+  for name, rules in MEASURED_RULES.items():
+    got = read_with_rules(str(tmp_path), rules, strict=True)
+    assert got.last_preserved_timestamp == -inf, name
+    assert got.all_model_checkpoint_timestamps == [
+        -inf, -inf, -inf, inf, -inf, -inf], name
+  assert_same_as_tf(str(tmp_path))
+
+
+@pytest.mark.parametrize("escaped, legacy", [
+    (r"a\\b\400", "a\\b\\u0100"),
+    (r"\x5\777", "\x05\\u01ff"),
+    (r"\xF\400\?", "\x0f\\u0100\\?"),
+    (r"\\\400", "\\\\u0100"),
+    (r"\101\x4a\7\303\251\400", "AJ\x07\xe9\\u0100"),
+])
+def test_strings_only_protobuf_4_reads_mean_what_it_reads(tmp_path, escaped,
+                                                          legacy):
+  # Octal escapes above \377 are text to protobuf 4 (`\u0100`) and an error
+  # to 5.x on; the lenient reader falls back to protobuf 4's reading.
+  write_state(tmp_path, f'model_checkpoint_path: "{escaped}"\n')
+  for rules in (PROTOBUF_4, state_file.LENIENT_RULES):
+    got = read_with_rules(str(tmp_path), rules, strict=True)
+    assert got.model_checkpoint_path == f"{tmp_path}/{legacy}", rules
+  assert isinstance(read_with_rules(str(tmp_path), PROTOBUF_5, strict=True),
+                    storage.CheckpointStateError)
+
+
+def test_a_string_no_release_reads_names_its_bad_escape(tmp_path):
+  write_state(tmp_path, 'model_checkpoint_path: "ok"\n'
+              'all_model_checkpoint_paths: "\\101\\400\\x"\n')
+  # (protobuf 5 refuses it for its `\400` already, protobuf 4 for its `\x`.)
+  for rules, why in ((PROTOBUF_5, r"octal escape above \\377"),
+                     (PROTOBUF_4, r".*truncated \\xXX escape"),
+                     (state_file.LENIENT_RULES, r".*truncated \\xXX escape")):
+    got = read_with_rules(str(tmp_path), rules, strict=True)
+    assert isinstance(got, storage.CheckpointStateError), rules
+    assert re.fullmatch(
+        r"checkpoint state file .*/checkpoint: cannot parse: line 2, column "
+        r"29: bad escape in a string: " + why, str(got)), str(got)
+
+
+@pytest.mark.parametrize("text, where_and_what", [
+    ("model_checkpoint_path: 12\n",
+     "line 1, column 24: expected a string for model_checkpoint_path, got '12'"),
+    ("model_checkpoint_path: ",
+     "line 1, column 24: expected a string for model_checkpoint_path, got the "
+     "end of the file"),
+    ("model_checkpoint_path: 'x\"\n",
+     "line 1, column 24: expected a string for model_checkpoint_path, got a "
+     "string not closed on its line"),
+    ('model_checkpoint_path: ["x"]\n',
+     "line 1, column 24: expected a string for model_checkpoint_path, got '['"),
+    ('all_model_checkpoint_paths: ["a", 3]\n',
+     "line 1, column 35: expected a string for all_model_checkpoint_paths, "
+     "got '3'"),
+    ('model_checkpoint_path: "a"\nlast_preserved_timestamp: "x"\n',
+     "line 2, column 27: not a number: '\"x\"'"),
+    ('all_model_checkpoint_timestamps: [1, "a"]\n',
+     "line 1, column 38: not a number: '\"a\"'"),
+    ('model_checkpoint_path: "a"\nlast_preserved_timestamp:',
+     "line 2, column 26: expected a number for last_preserved_timestamp, got "
+     "the end of the file"),
+    ('all_model_checkpoint_paths: ["a" "b"\nmodel_checkpoint_path: "x"\n',
+     "line 2, column 1: expected ',' or ']' in all_model_checkpoint_paths"),
+    ("all_model_checkpoint_timestamps: [1 2]\n",
+     "line 1, column 37: expected ',' or ']' in "
+     "all_model_checkpoint_timestamps"),
+    ("all_model_checkpoint_timestamps: [1, 2\n",
+     "line 2, column 1: expected ',' or ']' in all_model_checkpoint_timestamps"),
+    ('Model_Checkpoint_Path: "x"',
+     "line 1, column 1: unknown field 'Model_Checkpoint_Path'"),
+    ("x" * 50 + ": 1\n", f"line 1, column 1: unknown field {'x' * 40!r}..."),
+    ('\n\n  model_checkpoint_path: "a";;\n',
+     "line 3, column 30: unknown field ';'"),
+    ('model_checkpoint_path "x"\n',
+     "line 1, column 23: expected ':' after model_checkpoint_path"),
+    ('model_checkpoint_path: "ok" "\\351"\n',
+     "line 1, column 24: string not UTF-8 once unescaped (byte 2)"),
+])
+def test_syntax_errors_say_where_and_what(tmp_path, text, where_and_what):
+  write_state(tmp_path, text)
+  with pytest.raises(storage.CheckpointStateError) as raised:
+    state_file.read_checkpoint_state(str(tmp_path), strict=True)
+  assert str(raised.value) == (
+      f"checkpoint state file {tmp_path / 'checkpoint'}: cannot parse: "
+      f"{where_and_what}")
 
 
 def test_binary_state_file_is_none(tmp_path):

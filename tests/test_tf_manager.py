@@ -1,13 +1,21 @@
 """Tests for `clu_ckpt.tf_manager`: the one user of TensorFlow's private API."""
 
+import collections
+import contextlib
+import errno
+import json
+import logging
 import os
 import pathlib
 import re
+import subprocess
+import time
 
 import pytest
 import tensorflow as tf
 
 from clu_ckpt import errors
+from clu_ckpt import storage
 from clu_ckpt import tf_manager
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -198,3 +206,320 @@ def test_a_killed_pruning_never_deletes_what_the_state_file_lists(tmp_path):
   fresh._finish_pruning()  # pylint: disable=protected-access
   assert (tmp_path / "ckpt-1.index").exists()
   assert not (tmp_path / tf_manager.PRUNING_FILENAME).exists()
+
+
+# ---------------------------------------------------------------------------
+# What each function promises, exactly (messages included).
+# ---------------------------------------------------------------------------
+
+
+def test_a_missing_private_attribute_error_names_all_and_what_to_do(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(tf_manager, "PRIVATE_ATTRIBUTES",
+                      tf_manager.PRIVATE_ATTRIBUTES + ("_gone_a", "_gone_b"))
+  with pytest.raises(errors.PrivateApiError) as raised:
+    _manager(tmp_path)
+  assert str(raised.value) == (
+      f"tf.train.CheckpointManager has no _gone_a, _gone_b in TensorFlow "
+      f"{tf.__version__}; clu_ckpt was checked against TensorFlow "
+      f"{', '.join(tf_manager.CHECKED_TENSORFLOW)}. Install one of those or "
+      "a clu_ckpt release that supports this TensorFlow.")
+
+
+def test_new_manager_hands_its_arguments_to_tensorflow(tmp_path):
+  manager = tf_manager.new_manager(
+      tf.train.Checkpoint(v=tf.Variable(1)), str(tmp_path), max_to_keep=2,
+      checkpoint_name="model")
+  assert isinstance(manager, tf.train.CheckpointManager)
+  assert manager.latest_checkpoint is None
+  for _ in range(3):
+    manager.save()
+  assert manager.directory == str(tmp_path)
+  assert manager.checkpoints == [f"{tmp_path}/model-2", f"{tmp_path}/model-3"]
+
+
+@pytest.fixture(name="bucket")
+def bucket_fixture(monkeypatch):
+  """`gs://` served by a dict (test_local_fs.MemoryObjectStore)."""
+  from test_local_fs import MemoryObjectStore  # pylint: disable=g-import-not-at-top
+  store = MemoryObjectStore()
+  monkeypatch.setattr(storage, "_FACTORIES", dict(storage._FACTORIES))  # pylint: disable=protected-access
+  monkeypatch.setattr(storage, "_INSTANCES", {})  # pylint: disable=protected-access
+  storage.register_filesystem("gs", lambda: store)
+  return store
+
+
+def test_new_manager_of_a_bucket_keeps_the_books_itself(bucket, caplog):
+  v = tf.Variable(1)
+  manager = tf_manager.new_manager(tf.train.Checkpoint(v=v), "gs://b/run",
+                                   max_to_keep=2, checkpoint_name="model")
+  assert isinstance(manager, tf_manager.ObjectStoreManager)
+  assert manager.directory == "gs://b/run"
+  for _ in range(3):
+    manager.save()
+  assert manager.checkpoints == ["gs://b/run/model-2", "gs://b/run/model-3"]
+  assert sorted(bucket.objects) == ["gs://b/run/checkpoint"] + [
+      f"gs://b/run/model-{n}{s}" for n in (2, 3)
+      for s in (".data-00000-of-00001", ".index")]
+  # A listed checkpoint outside the directory is never managed (pruned).
+  state = bucket.objects["gs://b/run/checkpoint"].decode()
+  bucket.objects["gs://b/run/checkpoint"] = (
+      'all_model_checkpoint_paths: "../other/model-1"\n'
+      f"all_model_checkpoint_timestamps: {time.time() - 1}\n" + state).encode()
+  with caplog.at_level(logging.WARNING):
+    again = tf_manager.new_manager(tf.train.Checkpoint(v=v), "gs://b/run",
+                                   max_to_keep=2, checkpoint_name="model")
+  assert again.checkpoints == ["gs://b/run/model-2", "gs://b/run/model-3"]
+  assert [r.getMessage() for r in caplog.records] == [
+      "gs://b/run/checkpoint lists gs://b/run/../other/model-1, which is "
+      "outside "
+      "gs://b/run: it is left alone (never pruned or deleted)"]
+
+
+def test_outside_entries_are_named_in_a_warning(tmp_path, caplog):
+  run = tmp_path / "run"
+  run.mkdir()
+  _manager(run).save()
+  state = (run / "checkpoint").read_text()
+  outside = tmp_path / "outside" / "ckpt-9"
+  (run / "checkpoint").write_text(
+      f'all_model_checkpoint_paths: "{outside}"\n'
+      f"all_model_checkpoint_timestamps: {time.time() - 1}\n" + state)
+  with caplog.at_level(logging.WARNING):
+    assert _manager(run).checkpoints == [f"{run}/ckpt-1"]
+  assert [r.getMessage() for r in caplog.records] == [
+      f"{run}/checkpoint lists {outside}, which is outside {run}: it is left "
+      "alone (never pruned or deleted)"]
+
+
+@contextlib.contextmanager
+def _unblocking(fifo: pathlib.Path, seconds: float = 5.0):
+  """Opens `fifo` for writing after `seconds` (in another process: TensorFlow
+  blocks in open(2) holding the GIL), so that a reader stuck on it wakes up.
+  Yields a function telling whether that was needed."""
+  marker = fifo.parent / "woken"
+  helper = subprocess.Popen(
+      ["sh", "-c", 'sleep "$3"; : > "$1" && echo woken > "$2"; '
+       'while :; do : > "$1"; sleep 0.05; done',
+       "sh", str(fifo), str(marker), str(seconds)],
+      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  try:
+    yield marker.exists
+  finally:
+    helper.kill()
+    helper.wait()
+
+
+def test_a_state_file_that_is_a_named_pipe_is_refused_before_tensorflow(
+    tmp_path):
+  fifo = tmp_path / "checkpoint"
+  os.mkfifo(fifo)
+  with _unblocking(fifo) as woken:
+    start = time.monotonic()
+    with pytest.raises(errors.NotRegularFileError) as raised:
+      _manager(tmp_path)
+    seconds = time.monotonic() - start
+  assert not woken(), f"TensorFlow opened {fifo}"
+  assert seconds < 1
+  assert raised.value.filename == str(fifo)
+  assert "(a named pipe)" in str(raised.value)
+
+
+def test_unlist_of_an_older_checkpoint_keeps_the_latest(tmp_path, caplog):
+  manager = _manager(tmp_path, max_to_keep=5)
+  for _ in range(3):
+    manager.save()
+  with caplog.at_level(logging.INFO):
+    tf_manager.unlist(manager, str(tmp_path), [f"{tmp_path}/ckpt-1"],
+                      current=f"{tmp_path}/ckpt-3")
+  assert [r.getMessage() for r in caplog.records
+          if r.getMessage().startswith("Unlisting")] == [
+              f"Unlisting checkpoints ['{tmp_path}/ckpt-1'] (latest was "
+              f"{tmp_path}/ckpt-3)"]
+  assert manager.latest_checkpoint == f"{tmp_path}/ckpt-3"
+  fresh = _manager(tmp_path, max_to_keep=5)
+  assert fresh.checkpoints == [f"{tmp_path}/ckpt-2", f"{tmp_path}/ckpt-3"]
+  assert fresh.latest_checkpoint == f"{tmp_path}/ckpt-3"
+
+
+def test_unlist_of_everything_forgets_the_latest_and_the_state_file(
+    tmp_path):
+  manager = _manager(tmp_path)
+  manager.save()
+  manager.save()
+  tf_manager.unlist(manager, str(tmp_path),
+                    [f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2"], current=None)
+  assert manager.latest_checkpoint is None
+  assert not (tmp_path / "checkpoint").exists()
+  # Nothing listed among `checkpoints`: nothing is rewritten.
+  manager.save()
+  before = (tmp_path / "checkpoint").read_bytes()
+  tf_manager.unlist(manager, str(tmp_path), [f"{tmp_path}/ckpt-7"],
+                    current=None)
+  assert (tmp_path / "checkpoint").read_bytes() == before
+
+
+def test_io_errors_are_told_from_others():
+  assert tf_manager.is_io_error(OSError(errno.EIO, "I/O error"))
+  # By TensorFlow's type alone, or by an errno's text alone.
+  assert tf_manager.is_io_error(tf.errors.NotFoundError(None, None, "gone"))
+  assert tf_manager.is_io_error(RuntimeError("write: Disk quota exceeded"))
+  assert not tf_manager.is_io_error(tf.errors.InvalidArgumentError(
+      None, None, "bad iterator"))
+
+
+@pytest.mark.parametrize("error, code, detail", [
+    (OSError(errno.ENOSPC, "No space left on device"), errno.ENOSPC,
+     "[Errno 28] No space left on device"),
+    (tf.errors.UnknownError(None, None, "write: Disk quota exceeded\nmore"),
+     errno.EDQUOT, "write: Disk quota exceeded"),
+    (tf.errors.NotFoundError(None, None, "  gone  "), None, "gone"),
+    (ValueError(""), None, ""),
+])
+def test_tensorflow_errors_become_os_errors_naming_the_checkpoint(
+    error, code, detail):
+  converted = tf_manager.as_os_error(error, "Could not write", "/c/ckpt-3")
+  assert isinstance(converted, errors.CheckpointWriteError)
+  assert converted.errno == code
+  assert converted.filename == "/c/ckpt-3"
+  assert converted.strerror == (
+      f"Could not write: {type(error).__name__}: {detail}")
+
+
+# ---------------------------------------------------------------------------
+# ObjectStoreManager: TensorFlow's rules, one at a time.
+# ---------------------------------------------------------------------------
+
+
+def _object_store_manager(directory, variable=None, **kwargs):
+  return tf_manager.ObjectStoreManager(
+      tf.train.Checkpoint(v=variable if variable is not None else
+                          tf.Variable(0)),
+      str(directory), max_to_keep=kwargs.get("max_to_keep", 2),
+      checkpoint_name="ckpt")
+
+
+@pytest.mark.parametrize("max_to_keep", [0, -1])
+def test_object_store_manager_refuses_what_tensorflow_refuses(tmp_path,
+                                                              max_to_keep):
+  with pytest.raises(ValueError) as theirs:
+    tf.train.CheckpointManager(tf.train.Checkpoint(), str(tmp_path),
+                               max_to_keep=max_to_keep)
+  with pytest.raises(ValueError) as ours:
+    _object_store_manager(tmp_path, max_to_keep=max_to_keep)
+  assert str(ours.value) == str(theirs.value) == (
+      "Expected a positive integer or `None` for `max_to_keep`, got "
+      f"{max_to_keep}.")
+
+
+def test_object_store_manager_without_a_limit_keeps_everything(tmp_path):
+  start = time.time()
+  manager = _object_store_manager(tmp_path / "runX", max_to_keep=None)
+  end = time.time()
+  # As TensorFlow: nothing saved yet, last preserved a second before now.
+  assert manager.latest_checkpoint is None
+  assert start - 1 <= manager._last_preserved_timestamp <= end - 1  # pylint: disable=protected-access
+  (tmp_path / "runX").mkdir()
+  for _ in range(4):
+    manager.save()
+  assert manager.checkpoints == [f"{tmp_path}/runX/ckpt-{n}"
+                                 for n in (1, 2, 3, 4)]
+  # A directory given with a trailing slash names checkpoints without it.
+  again = tf_manager.ObjectStoreManager(
+      tf.train.Checkpoint(v=tf.Variable(0)), f"{tmp_path}/runX/",
+      max_to_keep=None, checkpoint_name="ckpt")
+  assert again.latest_checkpoint == f"{tmp_path}/runX/ckpt-4"
+  assert again.checkpoints == manager.checkpoints
+
+
+def test_object_store_manager_reads_books_as_tensorflow_does(tmp_path,
+                                                             caplog):
+  """A file without timestamps, and one from a clock ahead of this one."""
+  paths = [f"{tmp_path}/ckpt-{n}" for n in (1, 2)]
+  state = "".join(f'all_model_checkpoint_paths: "{p}"\n' for p in paths)
+  (tmp_path / "checkpoint").write_text(
+      f'model_checkpoint_path: "{paths[-1]}"\n' + state)
+  theirs = tf.train.CheckpointManager(tf.train.Checkpoint(), str(tmp_path),
+                                      max_to_keep=2)
+  ours = _object_store_manager(tmp_path)
+  assert ours._maybe_delete == theirs._maybe_delete == {}  # pylint: disable=protected-access
+  assert ours.latest_checkpoint == theirs.latest_checkpoint == paths[-1]
+  ahead = time.time() + 1000
+  (tmp_path / "checkpoint").write_text(
+      f'model_checkpoint_path: "{paths[-1]}"\n' + state +
+      f"all_model_checkpoint_timestamps: {ahead - 10}\n"
+      f"all_model_checkpoint_timestamps: {ahead - 5}\n"
+      f"last_preserved_timestamp: {ahead}\n")
+  with caplog.at_level(logging.WARNING):
+    ours = _object_store_manager(tmp_path)
+  now = time.time()
+  (message,) = [r.getMessage() for r in caplog.records]
+  behind = float(re.fullmatch(
+      r"time\.time\(\) returned a value (\S+) seconds behind the last "
+      r"preserved checkpoint timestamp\.", message).group(1))
+  assert 999 < behind <= 1000
+  assert now - 5 < ours._last_preserved_timestamp <= now  # pylint: disable=protected-access
+  assert ours._maybe_delete == {}  # pylint: disable=protected-access
+
+
+def test_object_store_manager_moves_a_saved_again_number_to_the_end(tmp_path):
+  """Saving a number already listed (after restoring an older one)."""
+  ours_dir, tf_dir = tmp_path / "ours", tmp_path / "tf"
+  ours_dir.mkdir()
+  ours_ckpt, tf_ckpt = (tf.train.Checkpoint(v=tf.Variable(0)),
+                        tf.train.Checkpoint(v=tf.Variable(0)))
+  ours = tf_manager.ObjectStoreManager(ours_ckpt, str(ours_dir), max_to_keep=3,
+                                       checkpoint_name="ckpt")
+  theirs = tf.train.CheckpointManager(tf_ckpt, str(tf_dir), max_to_keep=3)
+  for manager, ckpt in ((ours, ours_ckpt), (theirs, tf_ckpt)):
+    for _ in range(3):
+      manager.save()
+    ckpt.save_counter.assign(1)
+    manager.save()  # ckpt-2 again
+  assert [p.rsplit("/", 1)[1] for p in ours.checkpoints] == [
+      p.rsplit("/", 1)[1] for p in theirs.checkpoints] == [
+          "ckpt-1", "ckpt-3", "ckpt-2"]
+
+
+def test_object_store_manager_names_the_pruned_before_the_commit(tmp_path,
+                                                                 monkeypatch):
+  manager = _object_store_manager(tmp_path, max_to_keep=1)
+  manager.save()
+  seen = []
+  real = manager._record_state  # pylint: disable=protected-access
+
+  def record_state():
+    pruning = tmp_path / tf_manager.PRUNING_FILENAME
+    seen.append(json.loads(pruning.read_text()) if pruning.exists() else None)
+    real()
+
+  monkeypatch.setattr(manager, "_record_state", record_state)
+  manager.save()
+  assert seen == [[f"{tmp_path}/ckpt-1"]]
+  assert sorted(os.listdir(tmp_path)) == [
+      "checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
+
+
+def test_object_store_pruning_deletes_only_what_nobody_lists(tmp_path):
+  """Listed by this manager, by the state file, as its latest, or outside
+  the directory: kept. Anything else named: its TensorFlow files go."""
+  manager = _object_store_manager(tmp_path, max_to_keep=None)
+  for _ in range(5):
+    manager.save()
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "ckpt-1.index").write_bytes(b"x")
+  ckpt = {n: f"{tmp_path}/ckpt-{n}" for n in range(1, 6)}
+  manager._maybe_delete = collections.OrderedDict([(ckpt[1], 1.0)])  # pylint: disable=protected-access
+  manager._latest_checkpoint = ckpt[2]  # pylint: disable=protected-access
+  (tmp_path / "checkpoint").write_text(
+      f'model_checkpoint_path: "{ckpt[4]}"\n'
+      f'all_model_checkpoint_paths: "{ckpt[3]}"\n')
+  manager._delete_unlisted([ckpt[1], ckpt[2], ckpt[3], ckpt[4],  # pylint: disable=protected-access
+                            f"{outside}/ckpt-1", ckpt[5]])
+  assert (outside / "ckpt-1.index").exists()
+  left = sorted(os.listdir(tmp_path))
+  for n in (1, 2, 3, 4):
+    assert f"ckpt-{n}.index" in left and (
+        f"ckpt-{n}.data-00000-of-00001" in left), n
+  assert not [f for f in left if f.startswith("ckpt-5")]
