@@ -615,6 +615,14 @@ _PLAIN_SCRIPT = textwrap.dedent("""
         out["saved"] = True
       except errors.UsageError as e:
         out["refused"] = str(e)
+    # A restore by one process of the job is a read: no collective.
+    from jax.experimental import multihost_utils
+    restored = checkpoint.Checkpoint(sys.argv[5], layout="orbax")
+    init = {"w": np.zeros(3, np.float32), "step": 0}
+    if me == 0:
+      out["alone"] = restored.restore_or_initialize(init)["w"].tolist()
+    multihost_utils.sync_global_devices("restored alone")
+    out["each"] = restored.restore(init)["w"].tolist()
     print("RESULT " + json.dumps(out), flush=True)
 """)
 
@@ -622,48 +630,21 @@ _PLAIN_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("who", ["first", "each"])
 def test_plain_checkpoint_in_a_multi_process_job_is_refused_not_hung(
     tmp_path, who):
+  """Saving is refused; restoring by process 0 alone used to wait at Orbax's
+  barrier of every process until the collectives timed out (30 s)."""
+  saved = tmp_path / "saved"
+  checkpoint.Checkpoint(str(saved), layout="orbax").save(
+      {"w": np.arange(3, dtype=np.float32), "step": 7})
   results = _run_hosts(tmp_path, tmp_path / "ck", timeout=120,
-                       script=_PLAIN_SCRIPT, args=(who,))
+                       script=_PLAIN_SCRIPT, args=(who, str(saved)))
+  assert results[0]["alone"] == [0.0, 1.0, 2.0] and "alone" not in results[1]
+  assert results[0]["each"] == results[1]["each"] == [0.0, 1.0, 2.0]
   savers = [0, 1] if who == "each" else [0]
   for host in savers:
     assert "saved" not in results[host]
     assert "MultihostCheckpoint" in results[host]["refused"]
     assert str(tmp_path / "ck" / str(host)) in results[host]["refused"]
   assert not any((tmp_path / "ck").glob("*/*"))  # nothing written
-
-
-_RESTORE_SCRIPT = textwrap.dedent("""
-    import json, sys
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=sys.argv[2],
-                               num_processes=2, process_id=int(sys.argv[1]))
-    import numpy as np
-    from jax.experimental import multihost_utils
-    from clu_ckpt import checkpoint
-
-    me = jax.process_index()
-    out = {"host": me}
-    ckpt = checkpoint.Checkpoint(sys.argv[3], layout="orbax")
-    init = {"w": np.zeros(3, np.float32), "step": 0}
-    if me == 0:  # a restore by one process of the job: a read, no collective
-      out["alone"] = ckpt.restore_or_initialize(init)["w"].tolist()
-    multihost_utils.sync_global_devices("restored alone")
-    out["each"] = ckpt.restore(init)["w"].tolist()
-    print("RESULT " + json.dumps(out), flush=True)
-""")
-
-
-def test_plain_checkpoint_restored_by_one_process_of_a_job(tmp_path):
-  """Restoring waited at Orbax's barrier of every process, until the job's
-  collectives timed out (30 s) with a JaxRuntimeError."""
-  base = tmp_path / "ck"
-  checkpoint.Checkpoint(str(base), layout="orbax").save(
-      {"w": np.arange(3, dtype=np.float32), "step": 7})
-  results = _run_hosts(tmp_path, base, timeout=120, script=_RESTORE_SCRIPT)
-  assert results[0]["alone"] == [0.0, 1.0, 2.0]
-  assert "alone" not in results[1]
-  assert results[0]["each"] == results[1]["each"] == [0.0, 1.0, 2.0]
 
 
 @pytest.mark.thorough

@@ -414,7 +414,7 @@ def _assert_stopped(tmp_path, run, status, seconds):
 @pytest.mark.parametrize("stop", [
     "ctrl-c",
     pytest.param("sigterm", marks=pytest.mark.thorough),
-    "sighup",
+    pytest.param("sighup", marks=pytest.mark.thorough),
 ])
 def test_a_stop_starts_no_new_run_and_writes_the_report(tmp_path, stop):
   process = _stoppable_fleet(tmp_path)
