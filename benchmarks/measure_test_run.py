@@ -83,11 +83,14 @@ def _used_bytes(path: str) -> int:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--interval", type=float, default=0.25)
+  parser.add_argument("--peak-detail", action="store_true",
+                      help="also print each process of the tree at the "
+                      "memory peak, largest first")
   parser.add_argument("command", nargs="*", default=DEFAULT)
   args = parser.parse_args()
   tmp = tempfile.gettempdir()
   used0 = _used_bytes(tmp)
-  peak = {"pss": 0, "rss": 0, "tmp": 0}
+  peak = {"pss": 0, "rss": 0, "tmp": 0, "tree": []}
   start = time.monotonic()
   proc = subprocess.Popen(args.command)
   done = threading.Event()
@@ -95,9 +98,14 @@ def main() -> int:
   def sample():
     while not done.is_set():
       pss = rss = 0
+      tree = []
       for pid in _descendants(proc.pid):
         p, r = _memory_kib(pid)
         pss, rss = pss + p, rss + r
+        tree.append((p, pid))
+      if pss * 1024 > peak["pss"] and args.peak_detail:
+        peak["tree"] = [(p, pid, _command(pid)) for p, pid in sorted(
+            tree, reverse=True)]
       peak["pss"] = max(peak["pss"], pss * 1024)
       peak["rss"] = max(peak["rss"], rss * 1024)
       peak["tmp"] = max(peak["tmp"], _used_bytes(tmp) - used0)
@@ -113,7 +121,20 @@ def main() -> int:
   print(f"wall {wall:.1f} s, peak memory {peak['pss'] / gib:.2f} GiB PSS "
         f"({peak['rss'] / gib:.2f} GiB RSS summed), peak temp "
         f"{peak['tmp'] / gib:.2f} GiB, exit {code}", flush=True)
+  for kib, pid, command in peak["tree"]:
+    print(f"  at the peak: {kib / 2**20:.2f} GiB PSS  pid {pid}  {command}")
   return code
+
+
+def _command(pid: int) -> str:
+  """A process's command line (its first 160 characters)."""
+  try:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+      args = f.read().split(b"\0")
+  except OSError:
+    return "?"
+  text = " ".join(a.decode(errors="replace") for a in args if a)[:160]
+  return text
 
 
 if __name__ == "__main__":

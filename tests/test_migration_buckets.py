@@ -442,6 +442,7 @@ def test_progress_totals_match_what_was_done_from_a_bucket(runs, tmp_path):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.thorough  # ~1 GiB in its worker: the quick run's memory bound
 def test_a_bucket_destination_uploads_data_files_in_parallel(gcs, tmp_path):
   # Orbax asks TensorStore for 400 MiB data files on GCS by default: every
   # array then goes up as one upload, one at a time. With
