@@ -326,7 +326,10 @@ def _name_unmigrated_checkpoints(root: str, source: str,
     return  # verify_orbax_root has said why the source cannot be read
   recorded = _migration_manifest(root).get(src.path, [])
   done = {c.get("number") for c in recorded}
-  for number in orbax_root.list_steps(root)[0]:
+  # Steps' metadata only for what the manifest leaves out (a root migrated
+  # before manifests): on a bucket each read is a round trip.
+  unrecorded = [c for c in src.checkpoints if c.number not in done]
+  for number in orbax_root.list_steps(root)[0] if unrecorded else []:
     try:
       meta = json.loads(storage.read_bytes(storage.join(
           root, str(number), "metadata", "metadata")))

@@ -642,6 +642,11 @@ def test_verify_with_its_source_names_checkpoints_never_migrated(
   capsys.readouterr()
   done = _in_process(capsys, "verify", dst, "--source", src)
   assert done.returncode == 0, done.stdout
+  # A root migrated before manifests: the steps' own metadata say.
+  (dst / "clu_ckpt_manifest.json").unlink()
+  done = _in_process(capsys, "verify", dst, "--source", src)
+  assert done.returncode == 1 and "1 of 4 checkpoint(s) not migrated" in (
+      done.stdout) and "(ckpt-1)" in done.stdout, done.stdout
 
 
 def test_inspect_a_missing_step_of_a_migrated_root_hints_at_the_mapping(
