@@ -68,8 +68,9 @@ def plain_local(path: str) -> str:
 
     plain_local("file:///runs/a")   # "/runs/a"
   """
-  scheme, rest = split_url(path)
-  return rest if scheme.lower() == "file://" else path
+  from clu_ckpt import layout  # pylint: disable=g-import-not-at-top
+  scheme, rest = layout.split_scheme(path)  # file:// -> ("", the path)
+  return path if scheme else rest
 
 
 def normalize_path(path: str) -> str:
