@@ -354,6 +354,7 @@ def test_absolute_paths_written_by_tf(tmp_path):
     'model_checkpoint_path: "m"' + "\n#" * 40 + "\nall_model_checkpoint_paths:"
     " [" + "#c\n" * 40 + '"a",' + "#c\n" * 17 + '"b"' + "#c\n" * 40 + "]" +
     "#\n" * 40 + "all_model_checkpoint_timestamps: [1," + "#\n" * 40 + "2]",
+    'model_checkpoint_path: "a"' + "\n#" * 20 + '\n"b"\n',
     'model_checkpoint_path: "lone"' + " # \"x\"\n" * 40 +
     "last_preserved_timestamp:" + "#\n" * 33 + "5",
 ])
