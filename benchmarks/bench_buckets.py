@@ -346,21 +346,31 @@ def _child_naive_migrate(src: str, dst: str) -> dict:
 def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   """`migration.migrate`; `migrate@W`: TensorStore's window W MiB.
 
-  `migrate@WxF` also asks Orbax for OCDBT data files of F MiB
+  `migrate@W[xF][rN][sK][bM]`: `xF` also asks Orbax for OCDBT data files of F MiB
   (`orbax_target.REMOTE_DATA_FILE_BYTES`, passed as PyTreeSave's
   `ocdbt_target_data_file_size`; F = 0: Orbax's own default, 400 MiB on
-  GCS), which lets TensorStore upload a flush as parallel files.
+  GCS), which lets TensorStore upload a flush as parallel files; `rN`
+  read-ahead ranges of N MiB; `sK` K slices of a large array in flight,
+  `bM` slices of M MiB (`orbax_target.SLICES_IN_FLIGHT`, `SLICE_BYTES`;
+  b0: arrays handed to TensorStore whole, as before).
   """
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
   from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
-  window_mib, _, file_mib = window_mib.partition("x")
-  file_mib, _, ahead = file_mib.partition("r")
+  knobs = re.fullmatch(r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?",
+                       window_mib)
+  if knobs is None:
+    raise ValueError(f"migrate@{window_mib}: expected W[xF][rN][sK][bM]")
+  window_mib, file_mib, ahead, slices, slice_mib = knobs.groups()
   if file_mib:
     orbax_target.REMOTE_DATA_FILE_BYTES = int(file_mib) * 2**20 or None
   if ahead:  # `rN`: the read-ahead's ranges of N MiB (bucket_spool)
     from clu_ckpt import bucket_spool  # pylint: disable=g-import-not-at-top
     bucket_spool.READ_AHEAD_CHUNK = int(ahead) * 2**20
+  if slices:  # `sK`: K slices of a large array in flight at once
+    orbax_target.SLICES_IN_FLIGHT = int(slices)
+  if slice_mib:  # `bM`: slices of M MiB (0: arrays written whole)
+    orbax_target.SLICE_BYTES = int(slice_mib) * 2**20
   inflight = int(window_mib) * 2**20 if window_mib else None
   base = _rss_anon()
   _warm(src)

@@ -517,3 +517,133 @@ def test_the_read_ahead_does_not_stall_the_writes(tmp_path, monkeypatch):
   restored, _ = target.restore(1)
   for name, value in state.items():
     np.testing.assert_array_equal(restored[name], value)
+
+
+# A child that migrates a local run with one large array to a bucket and
+# prints the peak of its RssAnon above what it held once JAX and Orbax were
+# imported and JAX's backend made.
+_PEAK_CHILD = textwrap.dedent("""\
+    import json, sys, threading, time
+    import jax
+    import orbax.checkpoint  # pylint: disable=unused-import
+    from clu_ckpt import migration
+    source, destination, window = sys.argv[1:4]
+
+    def rss_anon():
+      with open("/proc/self/status") as f:
+        for line in f:
+          if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+      raise RuntimeError("no RssAnon")
+
+    jax.devices()
+    base, peak, done = rss_anon(), [0], threading.Event()
+
+    def sample():
+      while not done.is_set():
+        peak[0] = max(peak[0], rss_anon())
+        time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    summary = migration.migrate(source, destination,
+                                inflight_bytes=int(window))
+    done.set()
+    sampler.join()
+    assert not summary.failed, summary.failed
+    print(json.dumps({"extra": max(peak[0], rss_anon()) - base}))
+    """)
+
+
+def _local_run(directory, state):
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  directory.mkdir()
+  flax_format.save_file(state, str(directory / "ckpt-1.flax"))
+  (directory / "checkpoint").write_text(
+      'model_checkpoint_path: "ckpt-1"\n'
+      'all_model_checkpoint_paths: "ckpt-1"\n'
+      "all_model_checkpoint_timestamps: 1700000000.5\n"
+      "last_preserved_timestamp: 1.0\n")
+  return str(directory)
+
+
+@pytest.mark.thorough  # ~20 s: the child's imports, 128 MiB up and back
+def test_a_large_array_does_not_set_the_memory_of_a_bucket_migration(
+    gcs, tmp_path):
+  # TensorStore holds what it is given at once (a copy of the unaligned
+  # view of the `.flax`, its compressed chunks, the uploads), so an array
+  # handed over whole made the migration's peak follow the largest array,
+  # whatever the in-flight window: 162 MiB above the base for one array of
+  # 64 MiB, 260 MiB for 128 MiB. Written in slices of whole chunks
+  # (`orbax_target.write_in_slices`) it follows the window: 78 and 92 MiB
+  # (of which about 75 MiB is the same for any array: TensorStore's and
+  # Orbax's own, the bucket client).
+  mib = 2**20
+  window = 16 * mib
+  rng = np.random.default_rng(11)
+  big = rng.standard_normal((128 * mib // 1024, 256), dtype=np.float32)
+  state = {"step": np.int64(3), "params": {
+      "kernel": big, "bias": np.arange(8, dtype=np.float32)}}
+  source = _local_run(tmp_path / "run", state)
+  destination = f"gs://{gcs.bucket()}/orbax"
+  # Run from tmp_path: `python -c` puts the current directory first on
+  # sys.path, which would shadow PYTHONPATH's clu_ckpt from a checkout.
+  out = subprocess.run(
+      [sys.executable, "-c", _PEAK_CHILD, source, destination, str(window)],
+      env=gcs.child_env(), cwd=tmp_path, capture_output=True, text=True,
+      timeout=240)
+  assert out.returncode == 0, out.stderr[-3000:]
+  extra = json.loads(out.stdout.strip().splitlines()[-1])["extra"]
+  assert extra < big.nbytes, (extra / mib, "MiB above the base")
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  fsspec_fs.configure_environment()
+  with ocp.CheckpointManager(destination) as mngr:
+    assert mngr.all_steps() == [3]
+    restored = mngr.restore(3)
+  assert _same(state["params"], {
+      k: np.asarray(v) for k, v in restored["state"]["params"].items()})
+
+
+def test_slices_are_whole_chunks_of_at_most_the_slice_size():
+  kib = 1024
+  # 64 rows of 1 KiB, chunks of 8 rows (8 KiB): 16 KiB slices of 2 chunks.
+  assert orbax_target.slice_rows((64, 256), 4, (8, 256), 16 * kib) == [
+      (s, s + 16) for s in range(0, 64, 16)]
+  # Not a whole number of chunks per slice: rounded down, at least one.
+  assert orbax_target.slice_rows((64, 256), 4, (8, 256), 20 * kib) == [
+      (s, s + 16) for s in range(0, 64, 16)]
+  assert orbax_target.slice_rows((64, 256), 4, (8, 256), kib) == [
+      (s, s + 8) for s in range(0, 64, 8)]
+  # The last slice is what is left.
+  assert orbax_target.slice_rows((20, 256), 4, (8, 256), 8 * kib) == [
+      (0, 8), (8, 16), (16, 20)]
+  # One slice: small enough, chunks spanning axis 0, a scalar, no layout.
+  assert orbax_target.slice_rows((64, 256), 4, (8, 256), 64 * kib) == [
+      (0, 64)]
+  assert orbax_target.slice_rows((64, 256), 4, (64, 32), kib) == [(0, 64)]
+  assert orbax_target.slice_rows((), 4, (), kib) == []
+  assert orbax_target.slice_rows((64, 256), 4, None, kib) == [(0, 64)]
+
+
+def test_an_array_written_in_slices_reads_back_the_same(tmp_path):
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  value = np.random.default_rng(2).standard_normal((50, 64)).astype(
+      np.float32)
+  # An unaligned view, as a `.flax` map's arrays are.
+  raw = np.zeros(value.nbytes + 1, np.uint8)
+  raw[1:] = value.view(np.uint8).ravel()
+  unaligned = np.ndarray(value.shape, np.float32, raw.data, 1)
+  assert not unaligned.flags.aligned
+  spec = {"driver": "zarr", "kvstore": {"driver": "file",
+                                        "path": str(tmp_path / "a")},
+          "metadata": {"shape": [50, 64], "chunks": [8, 64],
+                       "dtype": "<f4", "compressor": {"id": "zstd"}}}
+
+  async def write():
+    t = await ts.open(spec, create=True, open=True)
+    await orbax_target.write_in_slices(t, unaligned, 2 * 8 * 64 * 4, 2)
+
+  asyncio.run(write())
+  np.testing.assert_array_equal(
+      ts.open(spec).result().read().result(), value)
