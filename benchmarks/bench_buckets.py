@@ -463,6 +463,8 @@ def _measure(args) -> dict:
     direct_env = store.child_env()
     os.environ.update(direct_env)
     source = work / "source"
+    if args.array_mib:
+      bench_migration._ARRAY_BYTES = args.array_mib * 2**20  # pylint: disable=protected-access
     bench_migration._make_source(str(source), args.size_gib)  # pylint: disable=protected-access
     bucket = store.bucket()
     src = store.upload(source, "run", bucket=bucket)
@@ -498,7 +500,9 @@ def _measure(args) -> dict:
           child = child[:-len("!base")]
           env["PYTHONPATH"] = args.baseline
         cpu = (_cpu_seconds(), _cpu_seconds(store.proc.pid))
+        wall = time.perf_counter()
         result = _run_child(child, src, dst, env)
+        result["wall_child"] = time.perf_counter() - wall
         # CPU seconds of the proxies (this process) and of the emulator
         # during the measurement, beside the child's own (`cpu_child`, its
         # whole life): with 2 cores, their sum near 2 x the wall time means
@@ -510,6 +514,10 @@ def _measure(args) -> dict:
                         requests=proxy.requests, streams=proxy.max_open,
                         **_upload_stats(proxy))
           if args.timeline:
+            result["requests_timeline"] = [
+                [round(t - proxy.request_times[0], 3), line[:90], rng]
+                for t, (line, rng) in zip(proxy.request_times,
+                                          proxy.request_lines)]
             t0 = min([u[2] for u in proxy.uploads], default=0)
             result["timeline"] = [[u[0][:60], u[1], round(u[2] - t0, 3),
                                    None if u[3] is None else
@@ -528,6 +536,7 @@ def _measure(args) -> dict:
               f"(load {load:.1f})", file=sys.stderr)
       runs.append(row)
     return {"size_bytes": size, "size_gib": args.size_gib, "runs": runs,
+            "array_mib": args.array_mib or 64,
             "rtt_ms": args.rtt_ms, "mbps": args.mbps, "store": args.store,
             "backend": args.backend if args.store == "gcs" else "moto"}
   finally:
@@ -565,6 +574,12 @@ def _report(result: dict) -> str:
   runs = result["runs"]
   methods = list(runs[0])
 
+  for row in runs:  # CPU-seconds of all three processes per wall second
+    for r in row.values():
+      if r.get("wall_child") and r.get("cpu_proxy") is not None:
+        r["cores"] = (r.get("cpu_child", 0) + r["cpu_proxy"] +
+                      r["cpu_store"]) / r["wall_child"]
+
   def med(method, field, default=None):
     values = [r[method][field] for r in runs
               if r.get(method, {}).get(field) is not None]
@@ -597,14 +612,17 @@ def _report(result: dict) -> str:
       f" {'moto (S3)' if result.get('store') == 's3' else 'fake-gcs-server'}"
       f" ({result.get('backend', 'filesystem')} back end) on "
       f"127.0.0.1 behind a proxy of {result['rtt_ms']} ms round trip and "
-      f"{result['mbps']} MB/s per connection",
+      f"{result['mbps']} MB/s per connection; arrays of "
+      f"{result.get('array_mib', 64)} MiB; cores: CPU-seconds of the child "
+      "(its whole life), the proxies and the emulator per second of the "
+      "child's whole life (2 = both cores busy)",
       "",
       "method          seconds   MB/s  streams  of link  x naive  MiB down  "
       "requests  RssAnon/size  load  join s  cpu s child+proxy+store  "
-      "uploads max/mean x MiB",
+      "cores  uploads max/mean x MiB",
       "--------------  -------  -----  -------  -------  -------  --------  "
       "--------  ------------  ----  ------  -----------------------  "
-      "----------------------"]
+      "-----  ----------------------"]
   for method in methods:
     s = med(method, "seconds")
     rate = size / s / _MB
@@ -636,6 +654,8 @@ def _report(result: dict) -> str:
         (f"  {med(method, 'cpu_child', 0):7.1f}+{med(method, 'cpu_proxy', 0):5.1f}"
          f"+{med(method, 'cpu_store', 0):5.1f}     "
          if med(method, "cpu_proxy") is not None else "  " + " " * 23) +
+        (f"  {med(method, 'cores'):5.2f}" if med(method, "cores") is not None
+         else "      ") +
         (f"  {med(method, 'uploads_max'):3.0f}/{med(method, 'uploads_mean', 0):4.1f}"
          f" x {med(method, 'upload_mib', 0):5.1f}"
          if med(method, "upload_count") else ""))
@@ -646,6 +666,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--size-gib", type=float, default=0.47)
   parser.add_argument("--runs", type=int, default=3)
+  parser.add_argument("--array-mib", type=int, default=0,
+                      help="the float32 kernels' size (their bfloat16 "
+                      "moments are half that); 0: bench_migration's 64")
   parser.add_argument("--rtt-ms", type=float, default=30)
   parser.add_argument("--mbps", type=float, default=60)
   parser.add_argument("--store", default="gcs", choices=["gcs", "s3"],

@@ -49,6 +49,7 @@ class LinkProxy:
     up: Bytes sent from clients to the target.
     connections: Connections accepted.
     request_lines: ("GET /path HTTP/1.1", "bytes=0-99" or None) per request.
+    request_times: When each of them reached the proxy (`time.monotonic()`).
     max_open: The most connections opened since the last `reset` open at
       once.
     uploads: [request line, body bytes, start, end, reset generation] per
@@ -82,6 +83,7 @@ class LinkProxy:
       self._open_now = 0
       self.max_open = 0
       self.request_lines: list[tuple[str, Optional[str]]] = []
+      self.request_times: list[float] = []
       self.uploads: list[list] = []
       self._uploading = 0
       self.max_uploads = 0
@@ -301,6 +303,7 @@ class LinkProxy:
     if found:
       with self._lock:
         self.request_lines.extend((line, rng) for line, rng, _ in found)
+        self.request_times.extend([time.monotonic()] * len(found))
         for line, _, length in found:
           if length >= UPLOAD_BYTES and state["upload"] is None:
             upload = [line, length, time.monotonic(), None, self._generation]
