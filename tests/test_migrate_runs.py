@@ -147,6 +147,21 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tree):
   assert not (tree / "out").exists() and not (tree / "reports").exists()
 
 
+def test_a_run_named_with_a_comma_is_one_run(tree):
+  # Runs named by their hyperparameters: `--sources` must not split one.
+  clu_dir(tree, "runs/lr=0.1,bs=32/checkpoints")
+  run = _script("--sources=runs/lr=0.1,bs=32/checkpoints,runs/a/checkpoints",
+                "--sources=runs/lr=0.1,bs=32/checkpoints",
+                "--source-root=runs", "--destination-root=out", "--dry-run",
+                cwd=tree)
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.splitlines()[:2] == [
+      "would migrate runs/a/checkpoints -> out/a/checkpoints (Checkpoint, "
+      "0 B)",
+      "would migrate runs/lr=0.1,bs=32/checkpoints -> "
+      "out/lr=0.1,bs=32/checkpoints (Checkpoint, 0 B)"], run.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--source-glob=runs/*/none"], "--source-glob 'runs/*/none' matched "
      "nothing"),

@@ -185,7 +185,8 @@ def build_parser(prog: str = PROG
   fleet.add_argument("--sources", action="append", default=[],
                      metavar="PATH[,PATH...]",
                      help="CLU checkpoint directories / MultihostCheckpoint "
-                     "bases (comma-separated; repeatable)")
+                     "bases (comma-separated; a comma inside an existing "
+                     "local path stays; repeatable)")
   fleet.add_argument("--source-glob", action="append", default=[],
                      metavar="GLOB", help="a glob matching sources "
                      "(repeatable); quote it")
@@ -298,6 +299,37 @@ def run_merge(args: argparse.Namespace) -> int:
   return 0 if merged["ok"] else 1
 
 
+def split_sources(value: str) -> list[str]:
+  """The paths of one `--sources` value.
+
+  Commas separate paths, except inside an existing local path: run
+  directories are often named by their hyperparameters
+  (`runs/lr=0.1,bs=32`), and splitting one would leave that run out. So
+  pieces are joined back, longest first, where the joined name exists.
+
+  Args:
+    value: One `--sources` argument.
+
+  Returns:
+    The paths it names, empty pieces dropped.
+
+  Example::
+
+    split_sources("/runs/a,/runs/b")   # ["/runs/a", "/runs/b"]
+    split_sources("/runs/lr=0.1,bs=32/ckpt,/runs/b")
+    # ["/runs/lr=0.1,bs=32/ckpt", "/runs/b"] when the first exists
+  """
+  pieces, paths, i = value.split(","), [], 0
+  while i < len(pieces):
+    # At most 16 commas in one name: `lexists` calls stay linear.
+    end = next((j for j in range(min(len(pieces), i + 17), i + 1, -1)
+                if os.path.lexists(plain_local(",".join(pieces[i:j])))),
+               i + 1)
+    paths.append(",".join(pieces[i:end]))
+    i = end
+  return [p for p in paths if p]
+
+
 class _Shard:
   """One shard's migration: the plan, the report, the workers, the stop."""
 
@@ -323,7 +355,7 @@ class _Shard:
       if not options.TEMPLATE_SPEC.match(self.options["template"]):
         raise UsageError(f"--template {self.options['template']!r}: "
                          "expected MODULE:FUNCTION")
-    sources = [s for group in args.sources for s in group.split(",") if s]
+    sources = [s for group in args.sources for s in split_sources(group)]
     if args.sources_file:
       sources += read_sources_file(args.sources_file)
     sources = [plain_local(s) for s in sources]
