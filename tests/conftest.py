@@ -209,7 +209,26 @@ def pytest_runtest_makereport(item: pytest.Item):
                        f"refused: {refusal})")
 
 
+# Whether this run has --thorough (set before collection, when the test
+# modules are imported).
+_THOROUGH_RUN = False
+
+
+def fuzz_examples(full: int) -> int:
+  """How many cases a fuzz test draws: `full` with --thorough, a third
+  (at least one) in the quick run. A fixed seed then draws the first of
+  the thorough run's cases.
+
+  Example::
+
+    @settings(max_examples=fuzz_examples(300))
+  """
+  return full if _THOROUGH_RUN else max(1, full // 3)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+  global _THOROUGH_RUN
+  _THOROUGH_RUN = bool(config.getoption("--thorough"))
   config.stash[_REFUSAL_KEY] = refusal = orbax_refusal()
   if refusal:
     _record_refusals()
