@@ -354,6 +354,13 @@ def test_lock_file_refusals_name_the_file_and_what_to_do(tmp_path):
   assert str(e.value) == (f"{path}: the lock file is not a regular file; "
                           "refused (remove it if nothing is migrating)")
   path.unlink()
+  path.mkdir()
+  with pytest.raises(errors.MigrationError) as e:
+    with destination.lock(str(tmp_path)):
+      pass
+  assert str(e.value) == (f"{path}: the lock file is a directory; refused "
+                          "(remove it if nothing is migrating)")
+  path.rmdir()
   (tmp_path / "other").write_text("")
   os.link(tmp_path / "other", path)
   os.link(tmp_path / "other", tmp_path / "third")

@@ -158,6 +158,9 @@ def _open_lock_file(path: str) -> int:
     if e.errno == errno.ELOOP:
       raise MigrationError(f"{path}: the lock file is a symlink; refused "
                            "(remove it if nothing is migrating)") from e
+    if e.errno == errno.EISDIR:
+      raise MigrationError(f"{path}: the lock file is a directory; refused "
+                           "(remove it if nothing is migrating)") from e
     raise
   st = os.fstat(fd)
   if not stat.S_ISREG(st.st_mode):
