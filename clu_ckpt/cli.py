@@ -11,8 +11,9 @@ Synopsis::
 
 `inspect` and `verify` read file names, TensorFlow's `checkpoint` file, the
 `.flax` headers and Orbax's JSON metadata: they import neither TensorFlow nor
-JAX, and `inspect` reads no array data (see `clu_ckpt.inspection`). `verify`
-exits 0 only when every check holds.
+JAX (except `inspect` of a native Orbax step's tree, read through Orbax, and
+with it JAX, when Orbax is installed), and `inspect` reads no array data (see
+`clu_ckpt.inspection`). `verify` exits 0 only when every check holds.
 
 `migrate` converts a CLU `Checkpoint` directory (or `MultihostCheckpoint`
 base) into an Orbax CheckpointManager root; see `clu_ckpt.migration`. On a
