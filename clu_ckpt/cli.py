@@ -319,41 +319,17 @@ def _name_the_recorded_source(root: str, source: str, result: dict) -> None:
 def _name_unmigrated_checkpoints(root: str, source: str,
                                  result: dict) -> None:
   """Adds a problem when `source` keeps checkpoints that were never migrated
-  into `root` (`--latest`, `--number`, or saved after the migration): the
-  question `verify --source` answers before a source is deleted.
-
-  A checkpoint counts as migrated when the root's manifest records it (even
-  if Orbax has since pruned its step) or a step's migration metadata names
-  it.
-  """
-  from clu_ckpt import errors  # pylint: disable=g-import-not-at-top
-  from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
-  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
-  from clu_ckpt.migration import plan  # pylint: disable=g-import-not-at-top
-  try:
-    src = plan.discover(source)
-  except (errors.CluCkptError, OSError, ValueError):
-    return  # verify_orbax_root has said why the source cannot be read
-  recorded = _migration_manifest(root).get(src.path, [])
-  done = {c.get("number") for c in recorded}
-  # Steps' metadata only for what the manifest leaves out (a root migrated
-  # before manifests): on a bucket each read is a round trip.
-  unrecorded = [c for c in src.checkpoints if c.number not in done]
-  for number in orbax_root.list_steps(root)[0] if unrecorded else []:
-    try:
-      meta = json.loads(storage.read_bytes(storage.join(
-          root, str(number), "metadata", "metadata")))
-    except (OSError, ValueError):
-      continue
-    if isinstance(meta, dict) and meta.get("source") == src.path:
-      done.add(meta.get("clu_checkpoint_number"))
-  missing = [c.name for c in src.checkpoints if c.number not in done]
-  if not missing:
-    return
+  into `root` (`destination.checkpoints_not_migrated`): the question
+  `verify --source` answers before a source is deleted."""
+  from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
+  left = destination.checkpoints_not_migrated(root, source)
+  if left is None or not left.names:
+    return  # unreadable: verify_orbax_root has said why
+  missing = left.names
   shown = ", ".join(missing[:10]) + (
       f" and {len(missing) - 10} more" if len(missing) > 10 else "")
   result["problems"].append(
-      f"{src.path}: {len(missing)} of {len(src.checkpoints)} checkpoint(s) "
+      f"{left.source}: {len(missing)} of {left.total} checkpoint(s) "
       f"not migrated into {root} ({shown}): deleting the source would lose "
       f"them; `clu-ckpt migrate {source} {root}` migrates them")
   result["ok"] = False

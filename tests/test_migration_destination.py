@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -571,3 +572,36 @@ def test_manifest_size_limit_and_unreadable_ones_name_the_file(tmp_path,
     destination.read_manifest(str(tmp_path))
   assert str(e.value).startswith(f"{path}: unreadable manifest: ")
   assert isinstance(e.value.__cause__, UnicodeDecodeError)
+
+
+@pytest.mark.orbax  # migrates
+def test_checkpoints_not_migrated_names_what_the_source_keeps(tmp_path):
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  src, root = tmp_path / "src", tmp_path / "root"
+  clu_save(src, [example_state(1), example_state(2), example_state(3)])
+  assert destination.checkpoints_not_migrated(str(root), str(src)) == (
+      destination.NotMigrated(str(src), ["ckpt-1", "ckpt-2", "ckpt-3"], 3))
+  migration.migrate(str(src), str(root), checkpoints="latest",
+                    step_naming="number")
+  left = destination.checkpoints_not_migrated(str(root), str(src))
+  assert left == destination.NotMigrated(str(src), ["ckpt-1", "ckpt-2"], 3)
+  # Without the manifest (a root migrated before manifests): the step's
+  # migration metadata still names its checkpoint.
+  (root / destination.MANIFEST_NAME).unlink()
+  assert destination.checkpoints_not_migrated(str(root), str(src)) == left
+  # A step whose metadata names another source does not count.
+  meta = root / "3" / "metadata" / "metadata"
+  data = json.loads(meta.read_text())
+  meta.write_text(json.dumps(dict(data, source=str(tmp_path / "other"))))
+  assert destination.checkpoints_not_migrated(
+      str(root), str(src)).names == ["ckpt-1", "ckpt-2", "ckpt-3"]
+  meta.write_text(json.dumps(data))
+  # A recorded checkpoint counts even when its step is gone (pruned).
+  migration.migrate(str(src), str(root), step_naming="number")
+  for step in ("1", "2"):
+    shutil.rmtree(root / step)
+  assert destination.checkpoints_not_migrated(str(root), str(src)).names == []
+  assert destination.checkpoints_not_migrated(
+      str(root), str(tmp_path / "nothing")) is None

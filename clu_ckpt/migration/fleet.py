@@ -118,6 +118,7 @@ from clu_ckpt.migration.fleet_discovery import plan_fleet
 from clu_ckpt.migration.fleet_discovery import read_sources_file
 from clu_ckpt.migration.fleet_discovery import Run
 from clu_ckpt.migration.fleet_report import count_statuses
+from clu_ckpt.migration.fleet_report import sources_to_keep
 from clu_ckpt.migration.fleet_report import FINISHED
 from clu_ckpt.migration.fleet_report import format_bytes
 from clu_ckpt.migration.fleet_report import load_report
@@ -296,7 +297,15 @@ def run_merge(args: argparse.Namespace) -> int:
   print(f"{len(merged['runs'])} of {merged['fleet_size']} run(s): "
         f"{counts['ok']} ok, {counts['failed']} failed, {counts['error']} "
         f"error{others}{missing}; report: {args.merge_reports}")
+  _say_sources_to_keep(merged)
   return 0 if merged["ok"] else 1
+
+
+def _say_sources_to_keep(report: Mapping[str, Any]) -> None:
+  if report["sources_to_keep"]:
+    print(f"{len(report['sources_to_keep'])} source(s) keep checkpoints not "
+          "migrated (\"sources_to_keep\" in the report): do not delete them",
+          flush=True)
 
 
 def split_sources(value: str) -> list[str]:
@@ -391,6 +400,7 @@ class _Shard:
         "shard_index": self.shard_index,
         "options": self.options,
         "counts": count_statuses(entries),
+        "sources_to_keep": sources_to_keep(entries),
         "runs": entries,
         "skipped": [dataclasses.asdict(s) for s in plan.skipped],
     }
@@ -506,6 +516,7 @@ def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
                    if s not in FINISHED)
   print(f"{counts['ok']} ok, {counts['failed']} failed, {counts['error']} "
         f"error{others}; report: {shard.report_path}", flush=True)
+  _say_sources_to_keep(report)
   if fleet.stop_signal is not None:
     name = signal.Signals(fleet.stop_signal).name
     print(f"{prog}: stopped by {name}: re-run the same command to resume",
