@@ -40,11 +40,12 @@ renamed (CLU writes it in place), it is read through a memory map (arrays are
 read-only views of the file, as Flax's were read-only views of the bytes read),
 TensorFlow is imported only when the `tf_state`, a save, or the `tf_checkpoint`
 attributes need it, and `MultihostCheckpoint` only considers directories named
-`<multihost_base_directory>-<integer>`. The others (checkpoints newer than a
-restored one unlisted before their files go, a failed save undone and killed
-saves' debris swept, the fallback to the newest complete checkpoint,
-`CheckpointInfo.from_path` raising `ValueError`, `file://` directories) are
-listed in CHANGELOG.md, "Deliberate differences from `clu.checkpoint` 0.0.12".
+`<multihost_base_directory>-<integer>`. The whole list, with the others
+(checkpoints newer than a restored one unlisted before their files go, a
+failed save undone and killed saves' debris swept, the fallback to the newest
+complete checkpoint, `CheckpointInfo.from_path` raising `ValueError`,
+`file://` directories, ...), is in CHANGELOG.md, "Deliberate differences from
+`clu.checkpoint` 0.0.12".
 """
 
 from __future__ import annotations
