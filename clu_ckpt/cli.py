@@ -275,8 +275,10 @@ def _run_verify(args: argparse.Namespace) -> int:
   from clu_ckpt import inspection  # pylint: disable=g-import-not-at-top
   if args.source is not None:
     if not inspection.is_orbax_root(args.path):
+      from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
       print(f"clu-ckpt verify: error: --source needs an Orbax root; "
-            f"{args.path} is not one", file=sys.stderr)
+            f"{args.path} is not one{orbax_root.step_naming_hint(args.path)}",
+            file=sys.stderr)
       return 2
     result = inspection.verify_orbax_root(args.path, args.source)
     _name_the_recorded_source(args.path, args.source, result)

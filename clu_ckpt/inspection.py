@@ -350,7 +350,8 @@ def inspect_path(path: str, checkpoint: Optional[int] = None, *,
   found = reader.detect_layouts(path, prefix)
   if not found:
     raise errors.CheckpointNotFoundError(
-        f"No checkpoint at {path}: looked for {reader.looked_for(prefix)}")
+        f"No checkpoint at {path}: looked for {reader.looked_for(prefix)}"
+        f"{orbax_root.step_naming_hint(path)}")
   if found[0] in (reader.ORBAX_MIGRATED, reader.ORBAX):
     report = orbax_root.inspect_orbax_root(path, checkpoint)
   elif found[0] == reader.FLAX_TRAINING:
@@ -591,7 +592,7 @@ def verify_path(path: str,
   if not found:
     return dict(ok=False, checked=0, problems=[
         f"{path}: no checkpoint here: looked for "
-        f"{reader.looked_for(prefix)}"])
+        f"{reader.looked_for(prefix)}{orbax_root.step_naming_hint(path)}"])
   if found[0] in (reader.ORBAX_MIGRATED, reader.ORBAX):
     return orbax_root.verify_orbax_root(path)
   if found[0] == reader.FLAX_TRAINING:

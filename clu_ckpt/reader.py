@@ -213,7 +213,8 @@ def load_state_dict(path: str, *, subtree: Subtree = None,
         "by checkpoint='<directory>/ckpt-<number>'")
   if checkpoint is None and chosen is None:
     raise errors.CheckpointNotFoundError(
-        f"No checkpoint found at {path} (looked for {looked_for(prefix)})")
+        f"No checkpoint found at {path} (looked for {looked_for(prefix)})"
+        f"{orbax_root.step_naming_hint(path)}")
   return _read_clu(path, subtree, checkpoint)
 
 
@@ -364,7 +365,7 @@ def _read_orbax(root: str, kind: str, subtree: Subtree, checkpoint: Any,
       raise errors.CheckpointNotFoundError(
           f"{root}: no step {step} (steps: {steps})" if step is not None
           else f"No checkpoint found at {root}: an Orbax root with no "
-          "finished step")
+          f"finished step{orbax_root.step_naming_hint(root)}")
     step_dir = storage.join(root, str(step))
   if kind == ORBAX:
     raise errors.CheckpointNotFoundError(
