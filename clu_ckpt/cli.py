@@ -35,8 +35,8 @@ unknown flag, an empty path, `verify --source` on what is not an Orbax root);
 a value the library refuses once the command runs (an `s3://` destination, a
 step prefix Orbax cannot use: `errors.UsageError`) is exit status 1 like any
 other failure. Ctrl-C ends with one line, `clu-ckpt COMMAND: interrupted`
-and what was done, and exit status 130. The Python traceback and the libraries' own log
-messages are shown only with `--verbose`.
+and what was done, and exit status 130. The Python traceback and the
+libraries' own log messages are shown only with `--verbose`.
 
 Each subcommand is a function `_add_<name>(subparsers)` that builds its
 parser and sets `run`, a function of the parsed arguments returning the exit
