@@ -4,29 +4,39 @@ Synopsis::
 
   clu-ckpt inspect PATH [--checkpoint N] [--json]
   clu-ckpt verify PATH [--source CLU_DIR] [--json]
-  clu-ckpt migrate SOURCE DESTINATION [--latest | --number N ...]
+  clu-ckpt migrate SOURCE DESTINATION [--all | --latest | --number N ...]
       [--step-naming auto|state|number] [--state-host H]
       [--compression zstd|none] [--dry-run] [--verify] [--json]
+      [--max-inflight-mib MIB] [--step-prefix PREFIX]
+      [--step-format-fixed-length N] [--allow-other-sources]
       [--template MODULE:FUNCTION]
 
 `inspect` and `verify` read file names, TensorFlow's `checkpoint` file, the
 `.flax` headers and Orbax's JSON metadata: they import neither TensorFlow nor
-JAX, and `inspect` reads no array data (see `clu_ckpt.inspection`). `verify`
-exits 0 only when every check holds.
+JAX (except `inspect` of a native Orbax step's tree, read through Orbax, and
+with it JAX, when Orbax is installed), and `inspect` reads no array data (see
+`clu_ckpt.inspection`). `verify` exits 0 only when every check holds.
 
 `migrate` converts a CLU `Checkpoint` directory (or `MultihostCheckpoint`
 base) into an Orbax CheckpointManager root; see `clu_ckpt.migration`. On a
 terminal it draws a progress bar with the write rate; otherwise it prints one
 line per event. Exit status: 0 when everything was migrated (or skipped as
 already there), 1 when a checkpoint failed or the source is unusable, 2 for
-bad usage. `--template MODULE:FUNCTION` imports MODULE (from the current
-directory or PYTHONPATH) and writes each step's state in the structure of
-the train state `FUNCTION()` returns (see `clu_ckpt.migration.template`).
+bad usage, 130 when interrupted (Ctrl-C). `--template MODULE:FUNCTION`
+imports MODULE (from the current directory or PYTHONPATH) and writes each
+step's state in the structure of the train state `FUNCTION()` returns (see
+`clu_ckpt.migration.template`).
 
 Every failure ends with one line on stderr, `clu-ckpt COMMAND: error: PATH:
-problem`, and exit status 1 (2 for bad usage, such as an empty path); the
-Python traceback and the libraries' own log messages are shown only with
-`--verbose`.
+problem`, and exit status 1, except the problems `verify` finds: they are its
+report, on stdout (`PROBLEM: ...` lines and the `FAILED` line), exit status 1.
+Exit status 2 is for a command line refused before any work starts (an
+unknown flag, an empty path, `verify --source` on what is not an Orbax root);
+a value the library refuses once the command runs (an `s3://` destination, a
+step prefix Orbax cannot use: `errors.UsageError`) is exit status 1 like any
+other failure. Ctrl-C ends with one line, `clu-ckpt COMMAND: interrupted`
+and what was done, and exit status 130. The Python traceback and the
+libraries' own log messages are shown only with `--verbose`.
 
 Each subcommand is a function `_add_<name>(subparsers)` that builds its
 parser and sets `run`, a function of the parsed arguments returning the exit

@@ -3,7 +3,9 @@
 `clu-ckpt inspect` and `verify` describe Orbax roots (migrated ones and native
 ones) without importing Orbax, TensorStore or JAX: step directories are listed
 by name, and each step's JSON metadata (`_CHECKPOINT_METADATA`, the migration's
-`metadata` item, a PyTree item's `_METADATA`) is read as JSON. This is the
+`metadata` item, a PyTree item's `_METADATA`) is read as JSON. The one
+exception: the tree of a native Orbax step (`inspect`'s leaves) is read
+through Orbax when it is installed. This is the
 one module that knows those file names and the one listing of an Orbax root's
 steps (`list_steps`, with Orbax's step naming options `step_prefix` and
 `step_format_fixed_length`: `step_name`); the migration package uses it too.

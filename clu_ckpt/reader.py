@@ -3,8 +3,11 @@
 `load_state_dict(path)` gives the Flax state dict of the newest checkpoint
 at `path`, whatever layout holds it, without TensorFlow (and without JAX or
 Orbax): the same dict before and after `clu-ckpt migrate`. `detect_layout`
-says which layout a directory holds; it is the one discovery function the
-tools (inspect, verify, migrate, a fleet's discovery) ask.
+says which layout a directory holds (`detect_layouts`: every layout found
+there); `load_state_dict` and `clu-ckpt inspect` and `verify`
+(`clu_ckpt.inspection`) ask `detect_layouts`. `migrate` (`migration.plan`)
+and a fleet's discovery (`migration.fleet_discovery`) recognise their
+sources with checks of their own.
 
 The layouts, in the order they are looked for (`LAYOUTS`):
 

@@ -157,7 +157,10 @@ def test_every_command_block_runs_or_says_why_not(doc):
 def test_install_lines_name_a_checkout_not_pypi(doc):
   # clu_ckpt is not on PyPI: `pip install clu_ckpt[...]` installs nothing.
   text = (REPO / doc).read_text()
-  wrong = re.findall(r"pip install[^\n`]*?(?<![/\w.-])['\"]?clu_ckpt\b", text)
+  # Also across a line break: a shell continuation, or inside an `inline` span.
+  wrong = re.findall(
+      r"pip install(?:[^\n`]|\\\n)*?(?<![/\w.-])['\"]?clu_ckpt\b"
+      r"|(?<!`)`[^`]*?pip install[^`]*?(?<![/\w.-])['\"]?clu_ckpt\b", text)
   assert not wrong, f"{doc}: {wrong}"
 
 

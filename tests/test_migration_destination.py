@@ -1,5 +1,6 @@
 """Tests of clu_ckpt.migration.destination: the lock and the manifest."""
 
+import errno
 import json
 import os
 import shutil
@@ -373,13 +374,22 @@ def test_lock_file_refusals_name_the_file_and_what_to_do(tmp_path):
   assert (tmp_path / "other").read_text() == ""
 
 
-def test_lock_file_that_cannot_be_opened_is_the_os_error(tmp_path):
-  (tmp_path / destination.LOCK_NAME).mkdir()
-  with pytest.raises(IsADirectoryError) as e:
+def test_lock_file_that_cannot_be_opened_is_the_os_error(tmp_path,
+                                                         monkeypatch):
+  # An error of the disk (not a refusal of what is there) stays the OS's own,
+  # naming the file.
+  path = str(tmp_path / destination.LOCK_NAME)
+  def failing_open(name, *args, **kwargs):
+    if name == path:
+      raise OSError(errno.EIO, "Input/output error", name)
+    return real_open(name, *args, **kwargs)
+  real_open = os.open
+  monkeypatch.setattr(os, "open", failing_open)
+  with pytest.raises(OSError) as e:
     with destination.lock(str(tmp_path)):
       pass
   assert not isinstance(e.value, errors.MigrationError)
-  assert e.value.filename == str(tmp_path / destination.LOCK_NAME)
+  assert (e.value.errno, e.value.filename) == (errno.EIO, path)
 
 
 @pytest.mark.parametrize("record, named", [

@@ -177,7 +177,7 @@ def build_parser(prog: str = PROG
       "MultihostCheckpoint bases) into Orbax roots, in long-lived worker "
       "processes, with a JSON report.",
       epilog="Exit status: 0 every run ok, 1 some run not ok, 2 bad usage, "
-      "130/143 stopped by SIGINT/SIGTERM.")
+      "130/143/129 stopped by SIGINT/SIGTERM/SIGHUP.")
   parser.add_argument("--version", action="version",
                       version=f"{prog} (clu-ckpt {_version()})")
   parser.add_argument("-v", "--verbose", action="store_true",
