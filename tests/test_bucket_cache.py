@@ -136,6 +136,15 @@ def test_metadata_is_asked_once_per_block_and_afresh_outside(bucket):
   assert bucket.store.calls == {"info": 1, "ls": 1}, bucket.store.calls
 
 
+def test_each_path_has_its_own_answer_whatever_it_ends_with(bucket):
+  _put(bucket, "run/a", b"abc")
+  with bucket_cache.metadata_cache():
+    assert bucket.exists("gs://bk/run/a")
+    for other in ("gs://bk/run/aX", "gs://bk/run/a ", "gs://bk/run/a\t",
+                  "gs://bk/run/a/X"):
+      assert not bucket.exists(other), other
+
+
 def test_blocks_nest_and_the_outermost_keeps_the_answers(bucket):
   url = _put(bucket, "run/a", b"abc")
   with bucket_cache.metadata_cache():
