@@ -357,6 +357,9 @@ def test_a_nested_block_keeps_the_outer_objects_and_adds_its_exclusion(
       assert bucket.read_bytes(lock) == b"two"
       assert bucket_cache.cached_object(lock) is None
     assert bucket_cache.caching_objects(lock)
+    with bucket_cache.object_cache("gs://bk/run", but_not="gs://bk/run/dst"):
+      assert not bucket_cache.caching_objects(lock)
+      assert bucket_cache.caching_objects("gs://bk/run/dst2/a")  # a sibling
     with bucket_cache.object_cache("gs://bk/run"):  # no exclusion
       assert bucket_cache.cached_object(source)[1] == b"source"
   assert bucket_cache.cached_object(source) is None
