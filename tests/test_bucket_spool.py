@@ -258,6 +258,13 @@ def test_a_spool_fetches_each_byte_once_exactly_where_asked(bucket):
   assert spool.requests == 6 and len(bucket.store.reads) == 6
 
 
+def test_a_spool_made_directly_is_named_by_path_and_size(bucket):
+  url, _ = _object(bucket, 10)
+  spool = bucket_spool.SparseSpool(bucket, url, 10)
+  assert spool.identity == (url, 10)
+  assert bucket.spool(url).identity[:2] == (url, 10)
+
+
 def test_missing_across_many_pieces(bucket):
   url, _ = _object(bucket, 1000)
   spool = bucket.spool(url)
@@ -317,7 +324,7 @@ def test_the_copy_is_sparse_until_more_than_half_is_asked_for(bucket):
   spool = bucket.spool(url)
   spool.ensure([(0, 4096)])
   assert _blocks(spool) < _MIB  # only what was fetched
-  spool.ensure([(_MIB, _MIB + size // 2 - 4096)])  # exactly half: sparse
+  spool.ensure([(_MIB, _MIB + size // 2)])  # exactly half: sparse
   assert _blocks(spool) < size * 3 // 4, _blocks(spool)
   spool.ensure([(3 * _MIB, 3 * _MIB + 8192)])
   assert _blocks(spool) < size * 3 // 4, _blocks(spool)
