@@ -38,7 +38,7 @@ class CountingMemory(memory.MemoryFileSystem):
     self.fail = None
     self.in_flight = 0
     self.peak = 0
-    self.gate = None  # a threading.Barrier each read waits at, if set
+    self.hold = None  # a threading.Event each read waits for, if set
     self._count_lock = threading.Lock()
     self._depth = threading.local()
 
@@ -78,8 +78,8 @@ class CountingMemory(memory.MemoryFileSystem):
       self.in_flight += 1
       self.peak = max(self.peak, self.in_flight)
     try:
-      if self.gate is not None:
-        self.gate.wait()
+      if self.hold is not None:
+        assert self.hold.wait(60), "reads held too long"
       return self._cat_file(path, start=start, end=end, **kwargs)
     finally:
       with self._count_lock:
@@ -321,6 +321,18 @@ def test_only_the_run_and_its_hosts_are_kept_never_the_destination(bucket):
                  "bk/run/dst/a": 2, "bk/other/a": 2}, got
 
 
+def test_prefixes_are_taken_as_given_whatever_they_end_with():
+  with bucket_cache.object_cache("gs://bk/runX", but_not="gs://bk/runX/dstX"):
+    kept = {key: bucket_cache.caching_objects(key) for key in (
+        "gs://bk/runX/a", "gs://bk/runX-1/a", "gs://bk/run/a",
+        "gs://bk/runX/dst/a", "gs://bk/runX/dstX/a")}
+  assert kept == {"gs://bk/runX/a": True, "gs://bk/runX-1/a": True,
+                  "gs://bk/run/a": False, "gs://bk/runX/dst/a": True,
+                  "gs://bk/runX/dstX/a": False}
+  with bucket_cache.object_cache("gs://bk/run", but_not=""):
+    assert bucket_cache.caching_objects("gs://bk/run/a")
+
+
 def test_passing_through_downloads_nothing_whole_but_serves_what_is_kept(
     bucket):
   kept = _put(bucket, "run/kept", b"kept bytes")
@@ -414,6 +426,22 @@ def test_forgetting_frees_room_and_a_tree_is_its_own_objects_only(
     bucket_cache.keep_object("gs://bk/run/d", {}, b"4444")
     assert all(bucket_cache.cached_object(k) is not None for k in (
         "gs://bk/run/ab", "gs://bk/run/c", "gs://bk/run/d"))
+    # ... and no more than that: one more drops the oldest (12 bytes held).
+    bucket_cache.forget("gs://bk/run/d")
+    bucket_cache.keep_object("gs://bk/run/e", {}, b"4444")
+    bucket_cache.keep_object("gs://bk/run/f", {}, b"4444")
+    assert [bucket_cache.cached_object(f"gs://bk/run/{k}") is not None
+            for k in ("ab", "c", "e", "f")] == [False, True, True, True]
+
+
+def test_an_object_and_the_objects_under_its_name_are_kept_apart():
+  with bucket_cache.object_cache("gs://bk/run"):
+    bucket_cache.keep_object("gs://bk/run/a/x", {}, b"under")
+    bucket_cache.keep_object("gs://bk/run/a", {}, b"object")
+    bucket_cache.forget("gs://bk/run/aX", tree=True)
+    bucket_cache.forget("gs://bk/run/a/x/y", tree=True)
+    assert bucket_cache.cached_object("gs://bk/run/a/x") == ({}, b"under")
+    assert bucket_cache.cached_object("gs://bk/run/a") == ({}, b"object")
 
 
 def test_only_small_objects_are_kept(monkeypatch):

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -331,6 +332,7 @@ def test_the_copy_is_sparse_until_more_than_half_is_asked_for(bucket):
   other = bucket.spool(url)
   other.ensure([(0, size // 2 + 1)])  # more than half: the whole reserved
   assert _blocks(other) >= size
+  assert os.fstat(other._file.fileno()).st_size == size  # pylint: disable=protected-access
   other.fill()
   assert bytes(other.map) == data
 
@@ -360,13 +362,34 @@ def test_advice_that_a_range_is_needed_fetches_it(bucket, monkeypatch):
 @pytest.mark.parametrize("streams,width", [("8", 4), ("2", 2)])
 def test_advice_reads_ahead_with_at_most_four_streams(bucket, monkeypatch,
                                                        streams, width):
+  # Every read is held until `width` are in flight and half a second more
+  # has passed for any further one to start.
   monkeypatch.setenv("CLU_CKPT_BUCKET_STREAMS", streams)
-  url, data = _object(bucket, 12 * _MIB)
+  size = 12 * _MIB
+  url, data = _object(bucket, size)
   spool = bucket.spool(url)
-  bucket.store.gate = threading.Barrier(width, timeout=30)
-  spool.map.madvise(mmap.MADV_WILLNEED, 0, 12 * _MIB)
-  assert bucket.store.peak == width
-  assert bytes(spool.map) == data
+  bucket.store.hold = threading.Event()
+  advising = threading.Thread(target=spool.map.madvise,
+                              args=(mmap.MADV_WILLNEED, 0, size))
+  advising.start()
+  try:
+    deadline = time.monotonic() + 30
+    while bucket.store.in_flight < width and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.5)
+    peak = bucket.store.peak
+  finally:
+    bucket.store.hold.set()
+    advising.join(60)
+  assert peak == width
+  assert spool.has(0, size) and bytes(spool.map) == data
+
+
+def test_advice_without_a_range_fetches_the_whole_object(bucket):
+  url, data = _object(bucket, 3 * _MIB + 5)
+  spool = bucket.spool(url)
+  spool.map.madvise(mmap.MADV_WILLNEED)
+  assert spool.has(0, 3 * _MIB + 5) and bytes(spool.map) == data
 
 
 def test_advice_of_a_range_that_cannot_be_fetched_is_no_os_error(bucket):
