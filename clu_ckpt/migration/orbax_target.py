@@ -98,10 +98,13 @@ REMOTE_DATA_FILE_BYTES: Optional[int] = 8 * 2**20
 # Measured (benchmarks/bench_buckets.py, migrate@sKbM, 480 MiB gs:// -> gs://
 # through the 30 ms / 60 MB/s proxy, 64 MiB arrays, one run at load 13):
 # whole arrays 24.4 s and 0.37x the checkpoint in extra RssAnon; 8 MiB x 2
-# (the default) 25.2 s and 0.18x; 8 x 4 24.4 s, 0.25x; 16 x 2 23.1 s,
-# 0.26x; 16 x 4 22.8 s, 0.38x; 32 x 2 24.1 s, 0.35x. Straight to the
-# emulator: 10.7 s either way, 0.23x against 0.36x.
-SLICES_IN_FLIGHT = 2
+# 25.2 s and 0.18x; 8 x 4 24.4 s, 0.25x; 16 x 2 23.1 s, 0.26x; 16 x 4
+# 22.8 s, 0.38x; 32 x 2 24.1 s, 0.35x. Again, 2 runs at load 8-9: whole
+# 20.7 s (0.35x), 8 x 2 23.8 s (0.18x), 8 x 4 21.6 s (0.25x). With two in
+# flight TensorStore commits one slice at a time, so one data file uploads
+# at a time; with four, two or more go up at once (the default). Straight
+# to the emulator: 10.7 s either way, 0.23x against 0.36x (8 x 2).
+SLICES_IN_FLIGHT = 4
 # The most bytes of one slice; None: half the in-flight window. 0: arrays
 # are handed over whole (Orbax's own way).
 SLICE_BYTES: Optional[int] = None
