@@ -299,3 +299,114 @@ def test_exclusive_create_needs_a_conditional_write(root, monkeypatch):
   with pytest.raises(NotImplementedError, match="only if absent"):
     storage.create_exclusive(f"{root}/.lock", b"x")
   assert not storage.exists(f"{root}/.lock")
+
+
+# -- containment, forgetting, exclusive create: the safety contract ------------
+
+
+def _put(url, data=b"x"):
+  with storage.atomic_writer(url) as write:
+    write(data)
+
+
+def _objects(bucket_store, root):
+  """Every object under `root`, by the emulator's own client (no caches)."""
+  prefix = root.split("://", 1)[1]
+  return sorted(o[len(prefix) + 1:] for o in bucket_store.fs().find(prefix))
+
+
+def test_remove_tree_never_leaves_its_directory(bucket_store, root):
+  # Siblings whose names begin with the directory's, or equal it but for
+  # what a careless strip would take away (a trailing "X", a trailing space).
+  names = ["d/a", "d/b/c", "dX/a", "d /a", "dd/a", "d.flax", "e"]
+  if bucket_store.scheme == "s3":
+    # An object named like the prefix (fake-gcs-server's file system
+    # back end cannot hold one beside the prefix; GCS can).
+    names.append("d")
+  for name in names:
+    _put(f"{root}/{name}")
+  storage.remove_tree(f"{root}/dX")
+  names.remove("dX/a")
+  assert _objects(bucket_store, root) == sorted(names)
+  storage.remove_tree(f"{root}/d ")
+  names.remove("d /a")
+  assert _objects(bucket_store, root) == sorted(names)
+  storage.remove_tree(f"{root}/d/")  # the placeholder object `d` too
+  assert _objects(bucket_store, root) == ["d.flax", "dd/a", "e"]
+  # Nothing there, or no such bucket: nothing to do, not an error.
+  storage.remove_tree(f"{root}/d")
+  storage.remove_tree(f"{bucket_store.scheme}://no-such-bucket-r7/run")
+  storage.remove(f"{bucket_store.scheme}://no-such-bucket-r7/run/a")
+  assert _objects(bucket_store, root) == ["d.flax", "dd/a", "e"]
+
+
+def test_removals_and_writes_forget_what_a_cache_holds(bucket_store, root):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  for name in ("d/a", "d/b/c", "f", "lock", "g"):
+    _put(f"{root}/{name}", name.encode())
+  fs = storage.filesystem(root)
+  with bucket_cache.metadata_cache(), bucket_cache.object_cache(root):
+    for name in ("d/a", "d/b/c", "f", "lock", "g"):
+      assert fs.read_bytes(f"{root}/{name}") == name.encode()  # kept whole
+      assert bucket_cache.cached_object(f"{root}/{name}") is not None
+    assert storage.listdir(root) == ["d", "f", "g", "lock"]
+    storage.remove_tree(f"{root}/d")
+    for name in ("d/a", "d/b/c"):
+      with pytest.raises(FileNotFoundError, match=name):
+        fs.read_bytes(f"{root}/{name}")
+    storage.remove(f"{root}/f")
+    with pytest.raises(FileNotFoundError, match=f"{root}/f"):
+      fs.read_bytes(f"{root}/f")
+    assert storage.listdir(root) == ["g", "lock"]
+    # Another process removes the lock; ours is created again, with new bytes.
+    bucket_store.fs().rm_file(f"{root}/lock".split("://", 1)[1])
+    storage.create_exclusive(f"{root}/lock", b"mine")
+    assert fs.read_bytes(f"{root}/lock") == b"mine"
+    _put(f"{root}/g", b"new")
+    assert fs.read_bytes(f"{root}/g") == b"new"
+
+
+def test_create_exclusive_refusals_are_named(root, monkeypatch):
+  path = f"{root}/.lock"
+  storage.create_exclusive(path, b"first")
+  with pytest.raises(FileExistsError) as raised:
+    storage.create_exclusive(path, b"second")
+  assert (raised.value.errno, raised.value.strerror, raised.value.filename) == (
+      17, "already exists", path)
+  assert raised.value.__cause__ is None
+  # Clients that report the failed precondition by its status instead.
+  client = storage.filesystem(root).fs
+
+  class HttpError(Exception):
+    def __init__(self, code):
+      super().__init__(f"status {code}")
+      self.code = code
+  HttpError.__module__ = "gcsfs.retry"
+  for status in (409, 412, 503):
+    def refuse(*args, code=status, **kwargs):
+      del args, kwargs
+      raise HttpError(code)
+    monkeypatch.setattr(client, "pipe_file", refuse)
+    with pytest.raises(OSError) as raised:
+      storage.create_exclusive(f"{root}/other", b"x")
+    if status == 503:  # not a refusal: an I/O error naming the object
+      assert type(raised.value) is OSError
+      assert raised.value.filename == f"{root}/other"
+      assert "status 503" in raised.value.strerror
+    else:
+      assert type(raised.value) is FileExistsError
+      assert (raised.value.errno, raised.value.strerror,
+              raised.value.filename) == (17, "already exists",
+                                         f"{root}/other")
+  assert storage.read_bytes(path) == b"first"
+
+
+def test_exclusive_create_without_a_conditional_write_names_the_package(
+    bucket_store, root, monkeypatch):
+  monkeypatch.setattr(fsspec_fs, "_has_exclusive_create", lambda fs: False)
+  package = "gcsfs" if bucket_store.scheme == "gs" else "s3fs"
+  with pytest.raises(NotImplementedError) as raised:
+    storage.create_exclusive(f"{root}/.lock", b"x")
+  assert str(raised.value) == (
+      f"{root}/.lock: the installed {package} cannot create an object only "
+      "if absent (upgrade it, and botocore for s3://)")
