@@ -410,3 +410,172 @@ def test_exclusive_create_without_a_conditional_write_names_the_package(
   assert str(raised.value) == (
       f"{root}/.lock: the installed {package} cannot create an object only "
       "if absent (upgrade it, and botocore for s3://)")
+
+
+def test_missing_objects_and_buckets_are_told_apart(bucket_store, root,
+                                                    monkeypatch):
+  path = f"{root}/missing.flax"
+  for _ in range(2):  # the bucket unknown, then known to exist
+    with pytest.raises(FileNotFoundError) as raised:
+      storage.stat(path)
+    assert (raised.value.errno, raised.value.strerror,
+            raised.value.filename) == (2, os.strerror(2), path)
+  gone = f"{bucket_store.scheme}://no-such-bucket-m3/run/x"
+  for call in (storage.stat, storage.makedirs, storage.stat):
+    with pytest.raises(FileNotFoundError) as raised:
+      call(gone)
+    assert (raised.value.errno, raised.value.strerror,
+            raised.value.filename) == (
+                2, "bucket 'no-such-bucket-m3' does not exist (or is not "
+                "visible with these credentials)", gone)
+  with pytest.raises(ValueError) as raised:
+    storage.makedirs(f"{bucket_store.scheme}:///run")
+  assert str(raised.value) == f"{bucket_store.scheme}:///run: no bucket named"
+  # When the store cannot say whether the bucket exists, the path is named.
+  fs = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+  monkeypatch.setattr(fs.fs, "exists", _raiser(OSError(5, "I/O error")))
+  with pytest.raises(FileNotFoundError) as raised:
+    fs.stat(gone)
+  assert (raised.value.strerror, raised.value.filename) == (
+      os.strerror(2), gone)
+  # A client that reports a missing bucket by raising.
+  fs = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+  monkeypatch.setattr(fs.fs, "exists", _raiser(FileNotFoundError("b")))
+  with pytest.raises(FileNotFoundError) as raised:
+    fs.makedirs(gone)
+  assert raised.value.filename == gone
+
+
+def _raiser(e):
+  def call(*args, **kwargs):
+    del args, kwargs
+    raise e
+  return call
+
+
+def test_a_known_bucket_is_not_asked_about_again(bucket_store, root):
+  import link_proxy  # pylint: disable=g-import-not-at-top
+  with link_proxy.LinkProxy(bucket_store.port) as proxy:
+    fs = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+    fs._make = lambda: _client_at(bucket_store, proxy.url)  # pylint: disable=protected-access
+    fs.makedirs(root)
+    proxy.reset()
+    fs.makedirs(f"{root}/other")
+    assert proxy.requests == 0
+    for _ in range(2):
+      with pytest.raises(FileNotFoundError):
+        fs.stat(f"{root}/missing")
+    before = proxy.requests
+    with pytest.raises(FileNotFoundError):
+      fs.stat(f"{root}/missing")
+    assert proxy.requests - before <= before // 2  # no bucket lookup
+
+
+def _client_at(bucket_store, url):
+  """A client of the package's own kind pointed at `url`."""
+  from clu_ckpt import bucket_client  # pylint: disable=g-import-not-at-top
+  variables = ({"STORAGE_EMULATOR_HOST": url} if bucket_store.scheme == "gs"
+               else {"AWS_ENDPOINT_URL": url, "AWS_ENDPOINT_URL_S3": url})
+  saved = {k: os.environ.get(k) for k in variables}
+  os.environ.update(variables)
+  try:
+    return bucket_client.make_client(bucket_store.scheme)
+  finally:
+    for k, v in saved.items():
+      os.environ[k] = v
+
+
+def test_sizes_times_and_ranges(bucket_store, root, monkeypatch):
+  data = bytes(range(256)) * 8
+  _put(f"{root}/a", data)
+  _put(f"{root}/empty", b"")
+  _put(f"{root}/one", b"z")
+  fs = storage.filesystem(root)
+  assert fs.stat(f"{root}/empty")[0] == 0
+  assert fs.stat(f"{root}/one")[0] == 1
+  size, mtime = fs.stat(f"{root}/a")
+  assert size == len(data) and mtime > 1.7e9
+  assert fs.read_bytes(f"{root}/a") == data
+  assert fs.read_bytes(f"{root}/a", 5) == data[5:]
+  assert fs.read_bytes(f"{root}/a", 5, 1) == data[5:6]
+  assert fs.read_bytes(f"{root}/a", 5, 0) == b""
+  assert fs.read_bytes(f"{root}/a", 0, 3) == data[:3]
+  assert fs.map(f"{root}/empty") == b""
+  assert bytes(fs.map(f"{root}/one")) == b"z"
+  assert bytes(fs.map(f"{root}/a")) == data
+  # An object whose metadata carries no time: asked for separately, never 0.
+  monkeypatch.setattr(fsspec_fs, "_mtime", lambda info: 0.0)
+  assert fs.stat(f"{root}/a") == (size, pytest.approx(mtime, abs=2))
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  monkeypatch.undo()
+  with bucket_cache.object_cache(root):
+    assert fs.read_bytes(f"{root}/a", 3, 4) == data[3:7]  # kept whole
+    assert bucket_cache.cached_object(f"{root}/a") is not None
+    assert fs.read_bytes(f"{root}/a", 3, 4) == data[3:7]  # from memory
+    assert fs.read_bytes(f"{root}/a", 2040) == data[2040:]
+
+
+def test_glob_names_objects_and_prefixes_as_urls(root):
+  for name in ("d/a", "dX/a", "d /a", "d.flax", "e"):
+    _put(f"{root}/{name}")
+  assert storage.glob(f"{root}/d*") == [
+      f"{root}/d", f"{root}/d ", f"{root}/d.flax", f"{root}/dX"]
+  assert storage.glob(f"{root}/d*/a") == [
+      f"{root}/d /a", f"{root}/d/a", f"{root}/dX/a"]
+
+
+def test_a_spool_names_the_objects_version(bucket_store, root, monkeypatch):
+  path = f"{root}/a"
+  _put(path, b"first")
+  fs = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+  info = fs._object_info(path)  # pylint: disable=protected-access
+  field = "generation" if bucket_store.scheme == "gs" else "ETag"
+  first = fs.spool(path).identity
+  assert first == (path, 5, fsspec_fs._mtime(info), str(info[field]))  # pylint: disable=protected-access
+  _put(path, b"again")  # the same size, maybe the same second
+  assert fs.spool(path).identity[-1] != first[-1]
+  # Each client's name for the version, in this order; none: "".
+  for given, version in (({"generation": 7, "ETag": "e"}, "7"),
+                         ({"ETag": "e", "etag": "f"}, "e"),
+                         ({"etag": "f", "VersionId": "v"}, "f"),
+                         ({"VersionId": "v", "md5Hash": "m"}, "v"),
+                         ({"md5Hash": "m"}, "m"),
+                         ({"generation": None, "md5Hash": "m"}, "m"),
+                         ({}, "")):
+    monkeypatch.setattr(fs, "_object_info",
+                        lambda p, given=given: {"size": 0, **given})
+    assert fs.spool(path).identity == (path, 0, 0.0, version)
+
+
+@pytest.mark.parametrize("size", [1, 100])
+def test_a_small_object_held_whole_is_not_downloaded_again(root, size,
+                                                           monkeypatch):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bucket_cache, "SMALL_OBJECT_BYTES", 100)
+  data = os.urandom(size)
+  _put(f"{root}/a", data)
+  _put(f"{root}/big", os.urandom(101))
+  fs = storage.filesystem(root)
+  with bucket_cache.object_cache(root):
+    spool = fs.spool(f"{root}/a")
+    assert spool.size == size and spool.has(0, size)  # adopted, no request
+    assert spool.requests == 0 and bytes(spool.map) == data
+    big = fs.spool(f"{root}/big")
+    assert not big.has(0, 1)  # too large to be held
+    assert bucket_cache.cached_object(f"{root}/big") is None
+    big.fill()
+    assert big.requests > 0
+
+
+def test_an_object_that_changed_while_read_is_not_kept(bucket_store, root):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  path = f"{root}/a"
+  _put(path, b"short")
+  fs = storage.filesystem(root)
+  with bucket_cache.metadata_cache(), bucket_cache.object_cache(root):
+    assert fs.stat(path)[0] == 5  # the metadata kept: 5 bytes
+    bucket_store.fs().pipe_file(path.split("://", 1)[1], b"longer now")
+    assert fs.read_bytes(path) == b"longer now"
+    assert bucket_cache.cached_object(path) is None  # not kept: changed
+    spool = fs.spool(path)
+    assert spool.size == 5 and not spool.has(0, 5)  # nothing adopted
