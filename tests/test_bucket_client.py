@@ -44,6 +44,7 @@ def test_split_url_takes_scheme_bucket_and_key():
   assert split("s3://b//k//") == ("s3", "b", "k")
   assert split("gcs://b/a/b/c") == ("gcs", "b", "a/b/c")
   assert split("s3a+x.y-z://b/k") == ("s3a+x.y-z", "b", "k")
+  assert split("gs://b/X/aX") == ("gs", "b", "X/aX")  # only "/" stripped
 
 
 @pytest.mark.parametrize("path", ["/local/path", "gs:/b/k", "x://b/k",
@@ -179,6 +180,7 @@ def test_the_first_contact_classes_are_the_modules_attributes():
     assert cls.__qualname__ == cls.__name__
     assert cls._answered is False  # pylint: disable=protected-access
   assert bucket_client.FirstContactGCSFileSystem is gcs  # made once
+  assert bucket_client.FirstContactS3FileSystem is s3
   assert bucket_client._CLASSES == {"gcs": gcs, "s3": s3}  # pylint: disable=protected-access
   with pytest.raises(AttributeError) as raised:
     bucket_client.NoSuchThing  # pylint: disable=pointless-statement
@@ -213,8 +215,14 @@ def test_has_exclusive_create(monkeypatch):
   for old in ("1.35.20", "1.34.99", "0.99.0", "1.35", "garbage"):
     monkeypatch.setattr(botocore, "__version__", old)
     assert not bucket_client.has_exclusive_create(s3), old
-  monkeypatch.setattr(botocore, "__version__", "1.36.0")
-  assert bucket_client.has_exclusive_create(s3)
+  for new in ("1.36.0", "1.35.21.dev1"):
+    monkeypatch.setattr(botocore, "__version__", new)
+    assert bucket_client.has_exclusive_create(s3), new
+
+  class SyncClient:  # no coroutine: its pipe_file decides
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+      del path, value, mode, kwargs
+  assert bucket_client.has_exclusive_create(SyncClient())
 
   class OldClient:  # a release whose pipe_file takes no `mode`
     def pipe_file(self, path, value, **kwargs):
@@ -418,3 +426,4 @@ def test_mtime_without_a_usable_time_is_zero():
   assert bucket_client.mtime({"updated": "yesterday", "last_modified": 7}
                              ) == 7.0
   assert bucket_client.mtime({"mtime": "", "LastModified": 8.0}) == 8.0
+  assert bucket_client.mtime({"updated": object(), "last_modified": 9}) == 9.0
