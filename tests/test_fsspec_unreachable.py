@@ -195,7 +195,7 @@ def test_an_s3_store_that_answered_is_asked_as_usual(s3, monkeypatch):
   assert not client._answered  # pylint: disable=protected-access
   bucket = s3.bucket()
   with pytest.raises(FileNotFoundError):  # an error status is an answer
-    client.cat_file(f"{bucket}/nothing")  # one request
+    client.cat_file("no-such-bucket-a1/nothing")  # only errors
   assert client._answered  # pylint: disable=protected-access
   fresh = fsspec_fs.FsspecFileSystem("s3")
   assert fresh.listdir(f"s3://{bucket}") == []  # a success is an answer
