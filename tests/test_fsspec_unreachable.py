@@ -227,3 +227,33 @@ def test_an_unanswered_s3_client_names_its_own_endpoint(s3, silent_port,
     client.ls("bucket")
   assert f"at http://127.0.0.1:{port} within" in raised.value.strerror
   assert s3.url not in raised.value.strerror  # not the environment's
+
+
+def test_every_operation_on_a_refusing_store_names_its_url(unauthorized_port,
+                                                           monkeypatch):
+  port, _ = unauthorized_port
+  _store_env(monkeypatch, f"http://127.0.0.1:{port}")
+  fs = fsspec_fs.FsspecFileSystem("gs")
+  fs._buckets.add("bucket")  # pylint: disable=protected-access
+  url = "gs://bucket/run1/ckpt-1.flax"
+  for name, call in (("remove", lambda: fs.remove(url)),
+                     ("remove_tree", lambda: fs.remove_tree(url)),
+                     ("create_exclusive",
+                      lambda: fs.create_exclusive(url, b"x")),
+                     ("read_bytes", lambda: fs.read_bytes(url, 0, 4)),
+                     ("stat", lambda: fs.stat(url))):
+    with pytest.raises(errors.StoreAccessError) as raised:
+      call()
+    assert str(raised.value).startswith(f"{url}: "), (name, raised.value)
+
+
+def test_a_glob_names_the_directory_before_its_first_wildcard():
+  searched = fsspec_fs._searched  # pylint: disable=protected-access
+  assert searched("gs://b/run1/checkpoints-*") == "gs://b/run1"
+  assert searched("gs://b/run*/ckpt-1/x") == "gs://b"
+  assert searched("gs://b/run1/[ab]/x?") == "gs://b/run1"
+  assert searched("gs://b/*") == "gs://b"
+  assert searched("gs://b/run1/x") == "gs://b/run1/x"  # no wildcard
+  # A wildcard in the bucket's name: the pattern itself.
+  assert searched("gs://b*/run") == "gs://b*/run"
+  assert searched("gs://*") == "gs://*"
