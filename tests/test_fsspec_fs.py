@@ -579,3 +579,38 @@ def test_an_object_that_changed_while_read_is_not_kept(bucket_store, root):
     assert bucket_cache.cached_object(path) is None  # not kept: changed
     spool = fs.spool(path)
     assert spool.size == 5 and not spool.has(0, 5)  # nothing adopted
+
+
+def test_fetch_into_copies_ranges_from_the_store_or_memory(bucket_store, root,
+                                                           monkeypatch,
+                                                           tmp_path):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bucket_cache, "SMALL_OBJECT_BYTES", 4096)
+  small, large = os.urandom(3000), os.urandom(5000)
+  _put(f"{root}/small", small)
+  _put(f"{root}/large", large)
+  fs = storage.filesystem(root)
+  ranges = [(0, 10), (1000, 1500), (2990, 3000)]
+
+  def fetched(path, size, data):
+    with open(tmp_path / "copy", "w+b") as f:
+      f.truncate(size)
+      requests = fs.fetch_into(path, f.fileno(), ranges, size, width=2,
+                               chunk=300)
+      f.seek(0)
+      copy = f.read()
+    for s, e in ranges:
+      assert copy[s:e] == data[s:e], (path, s, e)
+    return requests
+
+  assert fetched(f"{root}/small", 3000, small) == 4  # ranged reads of 300
+  assert fetched(f"{root}/large", 5000, large) == 4
+  with bucket_cache.object_cache(root):
+    assert fetched(f"{root}/small", 3000, small) == 1  # whole, kept
+    assert fetched(f"{root}/small", 3000, small) == 0  # from memory
+    assert fetched(f"{root}/large", 5000, large) == 4  # too large to keep
+    assert bucket_cache.cached_object(f"{root}/large") is None
+  # An object that changed size since its size was taken: named, refused.
+  ranges = [(2900, 3100)]
+  with pytest.raises(OSError, match=f"{root}/small: the object changed"):
+    fetched(f"{root}/small", 3100, small)
