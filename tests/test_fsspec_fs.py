@@ -585,7 +585,7 @@ def test_fetch_into_copies_ranges_from_the_store_or_memory(bucket_store, root,
                                                            monkeypatch,
                                                            tmp_path):
   from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(bucket_cache, "SMALL_OBJECT_BYTES", 4096)
+  monkeypatch.setattr(bucket_cache, "SMALL_OBJECT_BYTES", 3000)  # at most
   small, large = os.urandom(3000), os.urandom(5000)
   _put(f"{root}/small", small)
   _put(f"{root}/large", large)
