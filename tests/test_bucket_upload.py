@@ -210,3 +210,35 @@ def test_a_multipart_upload_joins_its_parts_in_order(s3, monkeypatch):
     write(data[:10 * _MIB])
   assert _read(s3, url) == data[:10 * _MIB]
   assert not _leftovers(s3, bucket)
+
+
+@pytest.mark.parametrize("parts,merges", [(4, 1), (5, 3), (9, 4)])
+def test_compose_rounds_and_where_their_objects_wait(gcs, gs_root, parts,
+                                                     merges, monkeypatch):
+  # At most _COMPOSE_MAX objects a request: exactly that many need one
+  # request; the intermediate objects wait beside the parts, never in the
+  # object's directory.
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 256 * _KIB)
+  monkeypatch.setattr(bucket_upload, "_COMPOSE_MAX", 4)
+  url = f"{gs_root}/sub/blob"
+  fs = storage.filesystem(url)
+  real = fs.fs.merge
+  calls = []
+
+  def merge(path, paths, *args, **kwargs):
+    calls.append((path, list(paths)))
+    return real(path, paths, *args, **kwargs)
+  monkeypatch.setattr(fs.fs, "merge", merge)
+  data = os.urandom(parts * 256 * _KIB)
+  with storage.atomic_writer(url) as write:
+    write(data)
+  assert _read(gcs, url) == data
+  assert len(calls) == merges
+  assert calls[-1][0] == url.split("://", 1)[1]
+  parts_dir = f"{_bucket(url)}/{bucket_upload.PARTS_PREFIX}/"
+  for path, sources in calls:
+    assert len(sources) <= 4
+    assert all(s.startswith(parts_dir) for s in sources)
+  for path, _ in calls[:-1]:
+    assert path.startswith(parts_dir)
+  assert not _leftovers(gcs, _bucket(url))
