@@ -614,3 +614,35 @@ def test_fetch_into_copies_ranges_from_the_store_or_memory(bucket_store, root,
   ranges = [(2900, 3100)]
   with pytest.raises(OSError, match=f"{root}/small: the object changed"):
     fetched(f"{root}/small", 3100, small)
+
+
+def test_an_interrupted_write_leaves_nothing(bucket_store, root, monkeypatch):
+  # Ctrl-C (KeyboardInterrupt) or SystemExit inside the block: no object,
+  # no parts, no open multipart upload.
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 5 * 2**20)
+  bucket = root.split("://", 1)[1].split("/", 1)[0]
+  for interrupt in (KeyboardInterrupt, SystemExit):
+    with pytest.raises(interrupt):
+      with storage.atomic_writer(f"{root}/torn") as write:
+        write(b"a" * (5 * 2**20 + 1))  # one part sent
+        raise interrupt()
+    assert not storage.exists(f"{root}/torn")
+    fs = bucket_store.fs()
+    if bucket_store.scheme == "gs":
+      assert not fs.find(f"{bucket}/{bucket_upload.PARTS_PREFIX}")
+    else:
+      assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get(
+          "Uploads")
+
+
+def test_prefixes_exist_and_a_listing_leaves_out_the_directory(bucket_store,
+                                                               root):
+  _put(f"{root}/d/a")
+  assert storage.exists(f"{root}/d") and storage.isdir(f"{root}/d")
+  assert not storage.exists(f"{root}/nothing")
+  if bucket_store.scheme == "s3":
+    # A "folder" marker object (`d/`, as consoles make): not an entry of d.
+    bucket, key = f"{root}/d/".split("://", 1)[1].split("/", 1)
+    bucket_store.fs().call_s3("put_object", Bucket=bucket, Key=key, Body=b"")
+  assert storage.listdir(f"{root}/d") == ["a"]
+  assert storage.listdir(root) == ["d"]
