@@ -536,6 +536,10 @@ def test_a_string_no_release_reads_names_its_bad_escape(tmp_path):
     ('Model_Checkpoint_Path: "x"',
      "line 1, column 1: unknown field 'Model_Checkpoint_Path'"),
     ("x" * 50 + ": 1\n", f"line 1, column 1: unknown field {'x' * 40!r}..."),
+    ("y" * 41 + ": 1\n", f"line 1, column 1: unknown field {'y' * 40!r}..."),
+    ("z" * 40 + ": 1\n", f"line 1, column 1: unknown field {'z' * 40!r}"),
+    ("\nx: 1\n", "line 2, column 1: unknown field 'x'"),
+    ("\n  x: 1\n", "line 2, column 3: unknown field 'x'"),
     ('\n\n  model_checkpoint_path: "a";;\n',
      "line 3, column 30: unknown field ';'"),
     ('model_checkpoint_path "x"\n',
@@ -550,6 +554,9 @@ def test_syntax_errors_say_where_and_what(tmp_path, text, where_and_what):
   assert str(raised.value) == (
       f"checkpoint state file {tmp_path / 'checkpoint'}: cannot parse: "
       f"{where_and_what}")
+  # The parser's own error is kept as the cause.
+  assert type(raised.value.__cause__) is ValueError  # pylint: disable=unidiomatic-typecheck
+  assert str(raised.value.__cause__) == where_and_what
 
 
 def test_binary_state_file_is_none(tmp_path):
