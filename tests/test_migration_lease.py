@@ -377,6 +377,105 @@ def test_a_dead_claimant_is_stepped_over_to_a_marker_all_derive(
     held.release()
 
 
+def _on_claim(monkeypatch, path, then):
+  """Calls `then()` right after this process claims a takeover marker."""
+  create_exclusive = storage.create_exclusive
+
+  def create(p, data):
+    create_exclusive(p, data)
+    if lease_lib.TAKEOVER_INFIX in p:
+      then()
+
+  monkeypatch.setattr(storage, "create_exclusive", create)
+
+
+def test_a_lock_changed_while_claimed_is_left_to_its_new_holder(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  other = json.dumps({"host": "other-host", "pid": 77, "since": "later",
+                      "token": "other"}).encode("utf-8")
+
+  def rewritten():
+    with storage.atomic_writer(path) as write:
+      write(other)
+
+  _on_claim(monkeypatch, path, rewritten)
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host other-host, pid 77, "
+      f"since later; lock {path}); wait for it, or stop it")
+  assert storage.read_bytes(path) == other
+
+
+def test_a_lock_gone_while_claimed_is_taken_afresh(tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  _on_claim(monkeypatch, path, lambda: storage.remove(path))
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    assert json.loads(storage.read_bytes(path)) == held.record
+    assert storage.exists(marker)
+  finally:
+    held.release()
+
+
+def test_a_marker_gone_while_looked_at_starts_over(tmp_path, monkeypatch):
+  """A claim cleaned up between our failed create and our read of it."""
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  storage.create_exclusive(marker, _claim("claimer", 7))
+  read_bytes = storage.read_bytes
+
+  def cleaned(p, *args, **kwargs):
+    if p == marker and storage.exists(marker):
+      storage.remove(marker)
+    return read_bytes(p, *args, **kwargs)
+
+  monkeypatch.setattr(storage, "read_bytes", cleaned)
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    assert json.loads(read_bytes(path)) == held.record
+    assert json.loads(read_bytes(marker))["token"] == held.record["token"]
+  finally:
+    held.release()
+
+
+def test_claimants_dead_at_every_step_leave_the_lock_alone(tmp_path,
+                                                           monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  old = time.time() - 200
+  for n in range(lease_lib._ATTEMPTS):  # pylint: disable=protected-access
+    storage.create_exclusive(marker, _claim("dead", n))
+    os.utime(marker, (old, old))
+    key = marker.rsplit("-", 1)[1]
+    marker = path + lease_lib.TAKEOVER_INFIX + hashlib.sha256(
+        key.encode("ascii") + _claim("dead", n)).hexdigest()[:16]
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host thief-host, pid 4242,"
+      f" since now; lock {path}); wait for it, or stop it")
+  assert storage.read_bytes(path) == _thief()
+  assert not storage.exists(marker)  # a fifth step was never taken
+
+
+def test_a_takeover_paused_longer_than_the_lease_writes_nothing(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "0.05")
+  root, path, marker = _stale_thief(tmp_path)  # the thief's 60 s lease: stale
+  _on_claim(monkeypatch, path, lambda: time.sleep(0.2))  # a pause
+  with pytest.raises(errors.MigrationError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert not isinstance(raised.value, errors.DestinationLockedError)
+  assert str(raised.value) == (
+      f"{root}: paused for longer than the lease (0.05 s) while taking over "
+      f"the stale lock {path}; try again")
+  assert storage.read_bytes(path) == _thief()
+
+
 def test_the_locked_error_names_the_holder_as_far_as_known():
   message = "r: another migration is writing here ({}; lock r/l); wait for " \
             "it, or stop it"

@@ -355,6 +355,9 @@ def test_absolute_paths_written_by_tf(tmp_path):
     " [" + "#c\n" * 40 + '"a",' + "#c\n" * 17 + '"b"' + "#c\n" * 40 + "]" +
     "#\n" * 40 + "all_model_checkpoint_timestamps: [1," + "#\n" * 40 + "2]",
     'model_checkpoint_path: "a"' + "\n#" * 20 + '\n"b"\n',
+    # Around one skip's worth and two (the look-ahead must agree with it).
+    *('model_checkpoint_path: "a"' + "\n#" * n + '\n"b"\n'
+      for n in (15, 16, 17, 32, 33)),
     'model_checkpoint_path: "lone"' + " # \"x\"\n" * 40 +
     "last_preserved_timestamp:" + "#\n" * 33 + "5",
 ])
@@ -1024,10 +1027,15 @@ def test_a_line_too_long_for_python_3_10_is_refused_there():
           "\\n" * (state_file.MAX_LINE_PY310 // 2) + '"\n')
   assert len(line) > state_file.MAX_LINE_PY310
   text = 'last_preserved_timestamp: 1\n' + line
-  with pytest.raises(ValueError, match=re.escape(
-      f"line 2: longer than {state_file.MAX_LINE_PY310} characters, which "
-      "clu_ckpt does not read on Python 3.10")):
+  with pytest.raises(ValueError) as raised:
     state_file._bounded(text, py310=True)  # pylint: disable=protected-access
+  assert str(raised.value) == (
+      f"line 2: longer than {state_file.MAX_LINE_PY310} characters, which "
+      "clu_ckpt does not read on Python 3.10 (its `re` would need memory in "
+      "proportion; TensorFlow writes one path per line)")
+  # Counted from the first line, whatever it holds (here nothing).
+  with pytest.raises(ValueError, match="^line 2: longer than"):
+    state_file._bounded("\n" + line, py310=True)  # pylint: disable=protected-access
   assert state_file._bounded(text, py310=False) == text  # pylint: disable=protected-access
   short = "x" * state_file.MAX_LINE_PY310 + "\n"
   assert state_file._bounded(short * 3, py310=True) == short * 3  # pylint: disable=protected-access
