@@ -8,6 +8,7 @@ here the refresher is driven directly (and by its own thread) on a local
 root and on the GCS emulator.
 """
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -419,6 +420,32 @@ def test_a_lock_gone_while_claimed_is_taken_afresh(tmp_path, monkeypatch):
     assert storage.exists(marker)
   finally:
     held.release()
+
+
+def test_a_lock_overwritten_right_after_our_takeover_is_theirs(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  other = json.dumps({"host": "other-host", "pid": 77, "since": "later",
+                      "token": "other"}).encode("utf-8")
+  atomic_writer, done = storage.atomic_writer, []
+
+  @contextlib.contextmanager
+  def overwritten(p):
+    with atomic_writer(p) as write:
+      yield write
+    if p == path and not done:  # another writer's upload lands after ours
+      done.append(p)
+      with atomic_writer(p) as write:
+        write(other)
+
+  monkeypatch.setattr(storage, "atomic_writer", overwritten)
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host other-host, pid 77, "
+      f"since later; lock {path}); wait for it, or stop it")
+  assert done and storage.read_bytes(path) == other
 
 
 def test_a_marker_gone_while_looked_at_starts_over(tmp_path, monkeypatch):
