@@ -1033,9 +1033,10 @@ def test_a_line_too_long_for_python_3_10_is_refused_there():
       f"line 2: longer than {state_file.MAX_LINE_PY310} characters, which "
       "clu_ckpt does not read on Python 3.10 (its `re` would need memory in "
       "proportion; TensorFlow writes one path per line)")
-  # Counted from the first line, whatever it holds (here nothing).
+  # Counted from the first line, whatever it holds (here nothing), not
+  # from the end.
   with pytest.raises(ValueError, match="^line 2: longer than"):
-    state_file._bounded("\n" + line, py310=True)  # pylint: disable=protected-access
+    state_file._bounded("\n" + line + "x\n" * 3, py310=True)  # pylint: disable=protected-access
   assert state_file._bounded(text, py310=False) == text  # pylint: disable=protected-access
   short = "x" * state_file.MAX_LINE_PY310 + "\n"
   assert state_file._bounded(short * 3, py310=True) == short * 3  # pylint: disable=protected-access
