@@ -35,6 +35,7 @@ Sessions:
 """
 
 import ast
+import os
 import pathlib
 import re
 
@@ -109,8 +110,12 @@ def _install(session: nox.Session, extras: str, pins: list[str]) -> None:
 
 
 def _pytest(session: nox.Session, *default: str) -> None:
+  # An absolute path: a relative "." would follow every child process into
+  # its own directory (the fleet's workers run in the operator's, where a
+  # test plants a `numpy.py` that must not shadow numpy).
   session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-              *(session.posargs or default), env={"PYTHONPATH": "."})
+              *(session.posargs or default),
+              env={"PYTHONPATH": os.path.abspath(".")})
 
 
 @nox.session(python=PYTHON)

@@ -2,9 +2,9 @@
 
 Reading checkpoints needs only numpy, msgpack and ml_dtypes. Writing them
 through the CLU-compatible classes needs TensorFlow (for the tf.data iterator
-state and the `checkpoint` bookkeeping): `pip install clu_ckpt[tf]`.
-Buckets need fsspec's back end for the store: `pip install clu_ckpt[gcs]`
-for gs://, `clu_ckpt[s3]` for s3:// (no TensorFlow needed to read them).
+state and the `checkpoint` bookkeeping): `pip install -e '.[tf]'` from a
+checkout (clu_ckpt is not on PyPI). Buckets need fsspec's back end for the
+store: `[gcs]` for gs://, `[s3]` for s3:// (no TensorFlow needed to read them).
 
 The lower bounds are the oldest versions the support matrix runs (noxfile.py,
 README.md "Support matrix"), so `[tf]` and `[jax]` never make pip upgrade

@@ -34,13 +34,18 @@ committed by uploading the `checkpoint` state file
 (`tf_manager.ObjectStoreManager`: the commit order for stores without
 rename). Reading the Flax state of a bucket needs no TensorFlow either.
 
-Differences from `clu.checkpoint` that callers can observe are deliberate and
-few: the `.flax` file is streamed to a temporary name, fsynced and renamed (CLU
-writes it in place), it is read through a memory map (arrays are read-only
-views of the file, as Flax's were read-only views of the bytes read), TensorFlow
-is imported only when the `tf_state`, a save, or the `tf_checkpoint`
+Differences from `clu.checkpoint` that callers can observe are deliberate.
+Among them: the `.flax` file is streamed to a temporary name, fsynced and
+renamed (CLU writes it in place), it is read through a memory map (arrays are
+read-only views of the file, as Flax's were read-only views of the bytes read),
+TensorFlow is imported only when the `tf_state`, a save, or the `tf_checkpoint`
 attributes need it, and `MultihostCheckpoint` only considers directories named
-`<multihost_base_directory>-<integer>`.
+`<multihost_base_directory>-<integer>`. The whole list, with the others
+(checkpoints newer than a restored one unlisted before their files go, a
+failed save undone and killed saves' debris swept, the fallback to the newest
+complete checkpoint, `CheckpointInfo.from_path` raising `ValueError`,
+`file://` directories, ...), is in CHANGELOG.md, "Deliberate differences from
+`clu.checkpoint` 0.0.12".
 """
 
 from __future__ import annotations

@@ -4,29 +4,39 @@ Synopsis::
 
   clu-ckpt inspect PATH [--checkpoint N] [--json]
   clu-ckpt verify PATH [--source CLU_DIR] [--json]
-  clu-ckpt migrate SOURCE DESTINATION [--latest | --number N ...]
+  clu-ckpt migrate SOURCE DESTINATION [--all | --latest | --number N ...]
       [--step-naming auto|state|number] [--state-host H]
       [--compression zstd|none] [--dry-run] [--verify] [--json]
+      [--max-inflight-mib MIB] [--step-prefix PREFIX]
+      [--step-format-fixed-length N] [--allow-other-sources]
       [--template MODULE:FUNCTION]
 
 `inspect` and `verify` read file names, TensorFlow's `checkpoint` file, the
 `.flax` headers and Orbax's JSON metadata: they import neither TensorFlow nor
-JAX, and `inspect` reads no array data (see `clu_ckpt.inspection`). `verify`
-exits 0 only when every check holds.
+JAX (except `inspect` of a native Orbax step's tree, read through Orbax, and
+with it JAX, when Orbax is installed), and `inspect` reads no array data (see
+`clu_ckpt.inspection`). `verify` exits 0 only when every check holds.
 
 `migrate` converts a CLU `Checkpoint` directory (or `MultihostCheckpoint`
 base) into an Orbax CheckpointManager root; see `clu_ckpt.migration`. On a
 terminal it draws a progress bar with the write rate; otherwise it prints one
 line per event. Exit status: 0 when everything was migrated (or skipped as
 already there), 1 when a checkpoint failed or the source is unusable, 2 for
-bad usage. `--template MODULE:FUNCTION` imports MODULE (from the current
-directory or PYTHONPATH) and writes each step's state in the structure of
-the train state `FUNCTION()` returns (see `clu_ckpt.migration.template`).
+bad usage, 130 when interrupted (Ctrl-C). `--template MODULE:FUNCTION`
+imports MODULE (from the current directory or PYTHONPATH) and writes each
+step's state in the structure of the train state `FUNCTION()` returns (see
+`clu_ckpt.migration.template`).
 
 Every failure ends with one line on stderr, `clu-ckpt COMMAND: error: PATH:
-problem`, and exit status 1 (2 for bad usage, such as an empty path); the
-Python traceback and the libraries' own log messages are shown only with
-`--verbose`.
+problem`, and exit status 1, except the problems `verify` finds: they are its
+report, on stdout (`PROBLEM: ...` lines and the `FAILED` line), exit status 1.
+Exit status 2 is for a command line refused before any work starts (an
+unknown flag, an empty path, `verify --source` on what is not an Orbax root);
+a value the library refuses once the command runs (an `s3://` destination, a
+step prefix Orbax cannot use: `errors.UsageError`) is exit status 1 like any
+other failure. Ctrl-C ends with one line, `clu-ckpt COMMAND: interrupted`
+and what was done, and exit status 130. The Python traceback and the
+libraries' own log messages are shown only with `--verbose`.
 
 Each subcommand is a function `_add_<name>(subparsers)` that builds its
 parser and sets `run`, a function of the parsed arguments returning the exit
@@ -265,8 +275,10 @@ def _run_verify(args: argparse.Namespace) -> int:
   from clu_ckpt import inspection  # pylint: disable=g-import-not-at-top
   if args.source is not None:
     if not inspection.is_orbax_root(args.path):
+      from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
       print(f"clu-ckpt verify: error: --source needs an Orbax root; "
-            f"{args.path} is not one", file=sys.stderr)
+            f"{args.path} is not one{orbax_root.step_naming_hint(args.path)}",
+            file=sys.stderr)
       return 2
     result = inspection.verify_orbax_root(args.path, args.source)
     _name_the_recorded_source(args.path, args.source, result)
@@ -309,41 +321,17 @@ def _name_the_recorded_source(root: str, source: str, result: dict) -> None:
 def _name_unmigrated_checkpoints(root: str, source: str,
                                  result: dict) -> None:
   """Adds a problem when `source` keeps checkpoints that were never migrated
-  into `root` (`--latest`, `--number`, or saved after the migration): the
-  question `verify --source` answers before a source is deleted.
-
-  A checkpoint counts as migrated when the root's manifest records it (even
-  if Orbax has since pruned its step) or a step's migration metadata names
-  it.
-  """
-  from clu_ckpt import errors  # pylint: disable=g-import-not-at-top
-  from clu_ckpt import orbax_root  # pylint: disable=g-import-not-at-top
-  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
-  from clu_ckpt.migration import plan  # pylint: disable=g-import-not-at-top
-  try:
-    src = plan.discover(source)
-  except (errors.CluCkptError, OSError, ValueError):
-    return  # verify_orbax_root has said why the source cannot be read
-  recorded = _migration_manifest(root).get(src.path, [])
-  done = {c.get("number") for c in recorded}
-  # Steps' metadata only for what the manifest leaves out (a root migrated
-  # before manifests): on a bucket each read is a round trip.
-  unrecorded = [c for c in src.checkpoints if c.number not in done]
-  for number in orbax_root.list_steps(root)[0] if unrecorded else []:
-    try:
-      meta = json.loads(storage.read_bytes(storage.join(
-          root, str(number), "metadata", "metadata")))
-    except (OSError, ValueError):
-      continue
-    if isinstance(meta, dict) and meta.get("source") == src.path:
-      done.add(meta.get("clu_checkpoint_number"))
-  missing = [c.name for c in src.checkpoints if c.number not in done]
-  if not missing:
-    return
+  into `root` (`destination.checkpoints_not_migrated`): the question
+  `verify --source` answers before a source is deleted."""
+  from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
+  left = destination.checkpoints_not_migrated(root, source)
+  if left is None or not left.names:
+    return  # unreadable: verify_orbax_root has said why
+  missing = left.names
   shown = ", ".join(missing[:10]) + (
       f" and {len(missing) - 10} more" if len(missing) > 10 else "")
   result["problems"].append(
-      f"{src.path}: {len(missing)} of {len(src.checkpoints)} checkpoint(s) "
+      f"{left.source}: {len(missing)} of {left.total} checkpoint(s) "
       f"not migrated into {root} ({shown}): deleting the source would lose "
       f"them; `clu-ckpt migrate {source} {root}` migrates them")
   result["ok"] = False

@@ -247,9 +247,11 @@ def _damage(flax_path: str, cache: Optional[dict] = None) -> Optional[str]:
 def _text_start(path: str) -> Optional[str]:
   """The file's first characters when it starts as printable text."""
   try:
-    head = bytes(storage.map_file(path, populate=False)[:_TEXT_PROBE])
+    # One byte past the probe: whether the text goes on ("...").
+    head = bytes(storage.map_file(path, populate=False)[:_TEXT_PROBE + 1])
   except (OSError, ValueError):
     return None
+  more, head = len(head) > _TEXT_PROBE, head[:_TEXT_PROBE]
   for cut in range(4):  # a UTF-8 character cut at the probe's end
     try:
       text = head[:len(head) - cut].decode("utf-8")
@@ -260,7 +262,7 @@ def _text_start(path: str) -> Optional[str]:
     return None
   if not text or not all(ch.isprintable() or ch in "\t\r\n" for ch in text):
     return None
-  return text if len(head) < _TEXT_PROBE else text + "..."
+  return text + "..." if more else text
 
 
 # --------------------------------------------------------------------------
@@ -348,7 +350,8 @@ def inspect_path(path: str, checkpoint: Optional[int] = None, *,
   found = reader.detect_layouts(path, prefix)
   if not found:
     raise errors.CheckpointNotFoundError(
-        f"No checkpoint at {path}: looked for {reader.looked_for(prefix)}")
+        f"No checkpoint at {path}: looked for {reader.looked_for(prefix)}"
+        f"{orbax_root.step_naming_hint(path)}")
   if found[0] in (reader.ORBAX_MIGRATED, reader.ORBAX):
     report = orbax_root.inspect_orbax_root(path, checkpoint)
   elif found[0] == reader.FLAX_TRAINING:
@@ -589,7 +592,7 @@ def verify_path(path: str,
   if not found:
     return dict(ok=False, checked=0, problems=[
         f"{path}: no checkpoint here: looked for "
-        f"{reader.looked_for(prefix)}"])
+        f"{reader.looked_for(prefix)}{orbax_root.step_naming_hint(path)}"])
   if found[0] in (reader.ORBAX_MIGRATED, reader.ORBAX):
     return orbax_root.verify_orbax_root(path)
   if found[0] == reader.FLAX_TRAINING:

@@ -3,7 +3,9 @@
 `clu-ckpt inspect` and `verify` describe Orbax roots (migrated ones and native
 ones) without importing Orbax, TensorStore or JAX: step directories are listed
 by name, and each step's JSON metadata (`_CHECKPOINT_METADATA`, the migration's
-`metadata` item, a PyTree item's `_METADATA`) is read as JSON. This is the
+`metadata` item, a PyTree item's `_METADATA`) is read as JSON. The one
+exception: the tree of a native Orbax step (`inspect`'s leaves) is read
+through Orbax when it is installed. This is the
 one module that knows those file names and the one listing of an Orbax root's
 steps (`list_steps`, with Orbax's step naming options `step_prefix` and
 `step_format_fixed_length`: `step_name`); the migration package uses it too.
@@ -159,6 +161,34 @@ def is_orbax_root(path: str) -> bool:
   return False
 
 
+_NAMED_STEP = re.compile(r"^(?:.+_\d+|0\d+)$")
+
+
+def step_naming_hint(path: str) -> str:
+  """Why `path` may look like no Orbax root to the tools: its step
+  directories named with a prefix or zero-padded (`step_0004`, `0004`:
+  `--step-prefix`, `--step-format-fixed-length`), which `inspect`, `verify`
+  and `load_state_dict` do not read.
+
+  Args:
+    path: A directory.
+
+  Returns:
+    "" when no such name is there; else a sentence starting with "; ".
+  """
+  try:
+    names = [n.rstrip("/") for n in storage.listdir(layout.absolute(path))]
+  except (OSError, ValueError):
+    return ""
+  named = sorted(n for n in names if _NAMED_STEP.match(n))
+  if not named:
+    return ""
+  return (f"; its steps are named like {named[0]!r} (a step prefix or a "
+          "fixed length), which inspect, verify and load_state_dict do not "
+          "read: `clu-ckpt migrate --verify` with the same --step-prefix / "
+          "--step-format-fixed-length checks such a root")
+
+
 def list_steps(root: str, *, step_prefix: Optional[str] = None,
                step_format_fixed_length: Optional[int] = None
                ) -> tuple[list[int], list[str]]:
@@ -300,6 +330,8 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
   if chosen is not None:
     tree = _step_tree(storage.join(root, str(chosen)), problems)
     tree["number"] = chosen
+  elif step_naming_hint(root):
+    problems.append(f"{root}: no finished step{step_naming_hint(root)}")
   return dict(kind="orbax_root", path=root, steps=rows, partial=partial,
               tree=tree, problems=problems)
 
@@ -510,7 +542,7 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
   if src is not None and not compared:
     problems.append(f"{root}: no migrated step to compare with {source}")
   if not numbers:
-    problems.append(f"{root}: no finished step")
+    problems.append(f"{root}: no finished step{step_naming_hint(root)}")
   return dict(ok=not problems, checked=len(numbers), problems=problems)
 
 

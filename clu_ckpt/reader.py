@@ -3,8 +3,11 @@
 `load_state_dict(path)` gives the Flax state dict of the newest checkpoint
 at `path`, whatever layout holds it, without TensorFlow (and without JAX or
 Orbax): the same dict before and after `clu-ckpt migrate`. `detect_layout`
-says which layout a directory holds; it is the one discovery function the
-tools (inspect, verify, migrate, a fleet's discovery) ask.
+says which layout a directory holds (`detect_layouts`: every layout found
+there); `load_state_dict` and `clu-ckpt inspect` and `verify`
+(`clu_ckpt.inspection`) ask `detect_layouts`. `migrate` (`migration.plan`)
+and a fleet's discovery (`migration.fleet_discovery`) recognise their
+sources with checks of their own.
 
 The layouts, in the order they are looked for (`LAYOUTS`):
 
@@ -210,7 +213,8 @@ def load_state_dict(path: str, *, subtree: Subtree = None,
         "by checkpoint='<directory>/ckpt-<number>'")
   if checkpoint is None and chosen is None:
     raise errors.CheckpointNotFoundError(
-        f"No checkpoint found at {path} (looked for {looked_for(prefix)})")
+        f"No checkpoint found at {path} (looked for {looked_for(prefix)})"
+        f"{orbax_root.step_naming_hint(path)}")
   return _read_clu(path, subtree, checkpoint)
 
 
@@ -361,7 +365,7 @@ def _read_orbax(root: str, kind: str, subtree: Subtree, checkpoint: Any,
       raise errors.CheckpointNotFoundError(
           f"{root}: no step {step} (steps: {steps})" if step is not None
           else f"No checkpoint found at {root}: an Orbax root with no "
-          "finished step")
+          f"finished step{orbax_root.step_naming_hint(root)}")
     step_dir = storage.join(root, str(step))
   if kind == ORBAX:
     raise errors.CheckpointNotFoundError(

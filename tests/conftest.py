@@ -41,6 +41,7 @@ import os
 import re
 import pathlib
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -65,6 +66,15 @@ NETWORK_GUARD = ("NO_GCE_CHECK", "GCE_METADATA_HOST", "GCE_METADATA_IP",
                  "GCE_METADATA_ROOT", "AWS_EC2_METADATA_DISABLED",
                  "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "EPATH_USE_TF")
 os.environ.update({k: emulators.ENV[k] for k in NETWORK_GUARD})
+
+# A run started in the background (`pytest ... &` in a script, nohup, some CI
+# runners) inherits SIGINT ignored, and an ignored signal stays ignored in
+# every process it starts: a child then never sees the Ctrl-C a test sends
+# it, and a test of Ctrl-C fails (or passes) for the wrong reason. A handler
+# that does nothing keeps this process as it was, and its children start
+# with SIGINT at its default, as from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+  signal.signal(signal.SIGINT, lambda signum, frame: None)
 
 FIXTURES = (pathlib.Path(__file__).resolve().parents[2] / "shared" /
             "fixtures" / "clu-0.0.12")
@@ -199,7 +209,26 @@ def pytest_runtest_makereport(item: pytest.Item):
                        f"refused: {refusal})")
 
 
+# Whether this run has --thorough (set before collection, when the test
+# modules are imported).
+_THOROUGH_RUN = False
+
+
+def fuzz_examples(full: int) -> int:
+  """How many cases a fuzz test draws: `full` with --thorough, a third
+  (at least one) in the quick run. A fixed seed then draws the first of
+  the thorough run's cases.
+
+  Example::
+
+    @settings(max_examples=fuzz_examples(300))
+  """
+  return full if _THOROUGH_RUN else max(1, full // 3)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+  global _THOROUGH_RUN
+  _THOROUGH_RUN = bool(config.getoption("--thorough"))
   config.stash[_REFUSAL_KEY] = refusal = orbax_refusal()
   if refusal:
     _record_refusals()

@@ -157,7 +157,10 @@ def test_every_command_block_runs_or_says_why_not(doc):
 def test_install_lines_name_a_checkout_not_pypi(doc):
   # clu_ckpt is not on PyPI: `pip install clu_ckpt[...]` installs nothing.
   text = (REPO / doc).read_text()
-  wrong = re.findall(r"pip install[^\n`]*?(?<![/\w.-])['\"]?clu_ckpt\b", text)
+  # Also across a line break: a shell continuation, or inside an `inline` span.
+  wrong = re.findall(
+      r"pip install(?:[^\n`]|\\\n)*?(?<![/\w.-])['\"]?clu_ckpt\b"
+      r"|(?<!`)`[^`]*?pip install[^`]*?(?<![/\w.-])['\"]?clu_ckpt\b", text)
   assert not wrong, f"{doc}: {wrong}"
 
 
@@ -254,6 +257,37 @@ def test_the_marker_parser_sees_skips_and_guides(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------
 # Running them.
 # --------------------------------------------------------------------------
+
+
+def _paths_outside(code: str, root: pathlib.Path) -> list[str]:
+  """Absolute paths in localized `code` that are not under `root`.
+
+  A path after `}`, `>` or a word character is a tail (`{workdir}/x`,
+  `<workdir>/x`, `a/b`), not an absolute path; `/dev/null` is allowed.
+  """
+  found = re.findall(r"(?<![\w./:}>-])/[\w.~-][^\s'\"`),;]*", code)
+  return [p for p in found
+          if not p.startswith(str(root)) and p not in ("/dev/null",)]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_example_paths_all_move_into_the_test_dir(doc):
+  # A block naming a path `_PATHS` does not know would read or write the
+  # machine's own (it once wrote /orbax/a): the list must grow with the docs.
+  root = pathlib.Path("/TESTROOT")
+  outside = [f"{b.where}: {p}"
+             for b in _runnable(doc, ("bash", "sh", "python"))
+             for p in _paths_outside(_localize(b.code, root), root)]
+  assert not outside, ("example paths not moved into the test's directory "
+                       f"(add them to _PATHS): {outside}")
+
+
+def test_the_path_guard_sees_an_unknown_absolute_path():
+  root = pathlib.Path("/TESTROOT")
+  code = _localize('clu-ckpt migrate /runs/a /elsewhere/out\n'
+                   'open("/data/x.flax")  # {workdir}/ckpt-1 <workdir>/y\n'
+                   'cat a/b > /dev/null\n', root)
+  assert _paths_outside(code, root) == ["/elsewhere/out", "/data/x.flax"]
 
 
 @pytest.mark.parametrize("doc", DOCS)

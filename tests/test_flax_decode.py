@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import fuzz_examples
 from clu_ckpt import flax_decode
 from clu_ckpt import flax_format
 from clu_ckpt.flax_format import FlaxFormatError
@@ -105,7 +106,7 @@ def test_walker_modes_agree_on_damaged_encodings(monkeypatch):
   rng = random.Random(20261123)
   encodings = _encodings(monkeypatch)
   outcomes = set()
-  for _ in range(3000):
+  for _ in range(fuzz_examples(3000)):
     data = _damaged(rng.choice(encodings), rng)
     root = _read(data, "root")
     full = _read(data, "tree_and_leaves")

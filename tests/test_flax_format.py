@@ -46,6 +46,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from conftest import fuzz_examples
 from clu_ckpt import flax_format
 from clu_ckpt.flax_format import FlaxFormatError
 
@@ -184,10 +185,10 @@ def _containers(children: st.SearchStrategy) -> st.SearchStrategy:
 
 _ZOO = st.recursive(_LEAVES, _containers, max_leaves=10)
 
-_ZOO_SETTINGS = settings(max_examples=150, deadline=None,
+_ZOO_SETTINGS = settings(max_examples=fuzz_examples(150), deadline=None,
                          suppress_health_check=[HealthCheck.too_slow])
 # Hostile inputs are small: a generous deadline only catches hangs.
-_FUZZ_SETTINGS = settings(max_examples=300, deadline=5000,
+_FUZZ_SETTINGS = settings(max_examples=fuzz_examples(300), deadline=5000,
                           suppress_health_check=[HealthCheck.too_slow])
 
 # --------------------------------------------------------------------------
@@ -677,7 +678,7 @@ def _chunky_states(draw) -> Any:
                               min_size=1, max_size=4))
 
 
-@settings(max_examples=120, deadline=None,
+@settings(max_examples=fuzz_examples(120), deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(state=_chunky_states(), data=st.data())
 def test_chunked_arrays_with_a_small_chunk_size(state, data, workdir):

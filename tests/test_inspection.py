@@ -374,6 +374,10 @@ def _damaged_cases(tmp_path):
                              "msgpack)"] * 2),
       (("x" * 47).encode(), *["{p}: not a Flax checkpoint: starts with text "
                               f"'{'x' * 47}' (a text file, not msgpack)"] * 2),
+      (("x" * 48).encode(), *["{p}: not a Flax checkpoint: starts with text "
+                              f"'{'x' * 48}' (a text file, not msgpack)"] * 2),
+      (("x" * 49).encode(), *["{p}: not a Flax checkpoint: starts with text "
+                              f"'{'x' * 48}...' (a text file, not msgpack)"] * 2),
       (("x" * 47 + "\u00e9").encode(), *[
           "{p}: not a Flax checkpoint: starts with text "
           f"'{'x' * 47}...' (a text file, not msgpack)"] * 2),

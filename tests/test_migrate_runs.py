@@ -147,6 +147,21 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tree):
   assert not (tree / "out").exists() and not (tree / "reports").exists()
 
 
+def test_a_run_named_with_a_comma_is_one_run(tree):
+  # Runs named by their hyperparameters: `--sources` must not split one.
+  clu_dir(tree, "runs/lr=0.1,bs=32/checkpoints")
+  run = _script("--sources=runs/lr=0.1,bs=32/checkpoints,runs/a/checkpoints",
+                "--sources=runs/lr=0.1,bs=32/checkpoints",
+                "--source-root=runs", "--destination-root=out", "--dry-run",
+                cwd=tree)
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.splitlines()[:2] == [
+      "would migrate runs/a/checkpoints -> out/a/checkpoints (Checkpoint, "
+      "0 B)",
+      "would migrate runs/lr=0.1,bs=32/checkpoints -> "
+      "out/lr=0.1,bs=32/checkpoints (Checkpoint, 0 B)"], run.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (["--source-glob=runs/*/none"], "--source-glob 'runs/*/none' matched "
      "nothing"),
@@ -317,6 +332,36 @@ def test_the_fleet_prints_the_skipped_and_one_line_per_run(clu_fleet):
                       r"done in \d+ (s|min)", progress[-1]), progress[-1]
   assert lines[-1] == ("4 ok, 0 failed, 2 error; report: "
                        "reports/new/report.json")
+
+
+def test_a_run_ok_whose_source_keeps_checkpoints_is_named(tmp_path):
+  """`--latest` migrates one checkpoint: the run is "ok", but deleting its
+  source would lose the others, and the report and the last line say so."""
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  clu_save(tmp_path / "runs" / "a" / "checkpoints",
+           [example_state(1), example_state(2), example_state(3)])
+  clu_save(tmp_path / "runs" / "b" / "checkpoints", [example_state(4)])
+  run = _script("--source-glob=runs/*/checkpoints", "--destination-root=orbax",
+                "--report=r.json", "--latest", cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((tmp_path / "r.json").read_text())
+  runs = {r["source"]: r for r in report["runs"]}
+  assert runs["runs/a/checkpoints"]["status"] == "ok"
+  assert runs["runs/a/checkpoints"]["source_not_migrated"] == [
+      "ckpt-1", "ckpt-2"]
+  assert "source_not_migrated" not in runs["runs/b/checkpoints"]
+  assert report["sources_to_keep"] == ["runs/a/checkpoints"]
+  assert ("the source keeps 2 of 3 checkpoint(s) not migrated (ckpt-1, "
+          "ckpt-2): do not delete it") in run.stdout, run.stdout
+  assert run.stdout.splitlines()[-1] == (
+      '1 source(s) keep checkpoints not migrated ("sources_to_keep" in the '
+      "report): do not delete them")
+  merged = _script("--merge-reports=m.json", "r.json", cwd=tmp_path)
+  assert merged.returncode == 0, merged.stderr
+  assert json.loads((tmp_path / "m.json").read_text())[
+      "sources_to_keep"] == ["runs/a/checkpoints"]
+  assert merged.stdout.splitlines()[-1].startswith("1 source(s) keep")
 
 
 @pytest.mark.thorough

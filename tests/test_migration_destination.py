@@ -1,7 +1,9 @@
 """Tests of clu_ckpt.migration.destination: the lock and the manifest."""
 
+import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -354,6 +356,13 @@ def test_lock_file_refusals_name_the_file_and_what_to_do(tmp_path):
   assert str(e.value) == (f"{path}: the lock file is not a regular file; "
                           "refused (remove it if nothing is migrating)")
   path.unlink()
+  path.mkdir()
+  with pytest.raises(errors.MigrationError) as e:
+    with destination.lock(str(tmp_path)):
+      pass
+  assert str(e.value) == (f"{path}: the lock file is a directory; refused "
+                          "(remove it if nothing is migrating)")
+  path.rmdir()
   (tmp_path / "other").write_text("")
   os.link(tmp_path / "other", path)
   os.link(tmp_path / "other", tmp_path / "third")
@@ -365,13 +374,22 @@ def test_lock_file_refusals_name_the_file_and_what_to_do(tmp_path):
   assert (tmp_path / "other").read_text() == ""
 
 
-def test_lock_file_that_cannot_be_opened_is_the_os_error(tmp_path):
-  (tmp_path / destination.LOCK_NAME).mkdir()
-  with pytest.raises(IsADirectoryError) as e:
+def test_lock_file_that_cannot_be_opened_is_the_os_error(tmp_path,
+                                                         monkeypatch):
+  # An error of the disk (not a refusal of what is there) stays the OS's own,
+  # naming the file.
+  path = str(tmp_path / destination.LOCK_NAME)
+  def failing_open(name, *args, **kwargs):
+    if name == path:
+      raise OSError(errno.EIO, "Input/output error", name)
+    return real_open(name, *args, **kwargs)
+  real_open = os.open
+  monkeypatch.setattr(os, "open", failing_open)
+  with pytest.raises(OSError) as e:
     with destination.lock(str(tmp_path)):
       pass
   assert not isinstance(e.value, errors.MigrationError)
-  assert e.value.filename == str(tmp_path / destination.LOCK_NAME)
+  assert (e.value.errno, e.value.filename) == (errno.EIO, path)
 
 
 @pytest.mark.parametrize("record, named", [
@@ -564,3 +582,36 @@ def test_manifest_size_limit_and_unreadable_ones_name_the_file(tmp_path,
     destination.read_manifest(str(tmp_path))
   assert str(e.value).startswith(f"{path}: unreadable manifest: ")
   assert isinstance(e.value.__cause__, UnicodeDecodeError)
+
+
+@pytest.mark.orbax  # migrates
+def test_checkpoints_not_migrated_names_what_the_source_keeps(tmp_path):
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  src, root = tmp_path / "src", tmp_path / "root"
+  clu_save(src, [example_state(1), example_state(2), example_state(3)])
+  assert destination.checkpoints_not_migrated(str(root), str(src)) == (
+      destination.NotMigrated(str(src), ["ckpt-1", "ckpt-2", "ckpt-3"], 3))
+  migration.migrate(str(src), str(root), checkpoints="latest",
+                    step_naming="number")
+  left = destination.checkpoints_not_migrated(str(root), str(src))
+  assert left == destination.NotMigrated(str(src), ["ckpt-1", "ckpt-2"], 3)
+  # Without the manifest (a root migrated before manifests): the step's
+  # migration metadata still names its checkpoint.
+  (root / destination.MANIFEST_NAME).unlink()
+  assert destination.checkpoints_not_migrated(str(root), str(src)) == left
+  # A step whose metadata names another source does not count.
+  meta = root / "3" / "metadata" / "metadata"
+  data = json.loads(meta.read_text())
+  meta.write_text(json.dumps(dict(data, source=str(tmp_path / "other"))))
+  assert destination.checkpoints_not_migrated(
+      str(root), str(src)).names == ["ckpt-1", "ckpt-2", "ckpt-3"]
+  meta.write_text(json.dumps(data))
+  # A recorded checkpoint counts even when its step is gone (pruned).
+  migration.migrate(str(src), str(root), step_naming="number")
+  for step in ("1", "2"):
+    shutil.rmtree(root / step)
+  assert destination.checkpoints_not_migrated(str(root), str(src)).names == []
+  assert destination.checkpoints_not_migrated(
+      str(root), str(tmp_path / "nothing")) is None

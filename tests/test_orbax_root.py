@@ -285,3 +285,30 @@ def test_item_names_from_disk_cannot_lead_out_of_the_step(tmp_path):
   assert list(orbax_root._step_items(str(root / "1"), meta)) == ["state"]  # pylint: disable=protected-access
   problems = orbax_root.verify_orbax_root(str(root))["problems"]
   assert sum("leads out of the step" in p for p in problems) == 2
+
+
+@pytest.mark.parametrize("name", ["step_0300", "0300", "ckpt_7"])
+def test_roots_of_named_steps_are_named_in_every_refusal(tmp_path, capsys,
+                                                         name):
+  """Roots written with --step-prefix / --step-format-fixed-length are not
+  read by the tools: each refusal says so and what checks such a root."""
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import cli  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "root"
+  (root / name / "state").mkdir(parents=True)
+  hint = (f"; its steps are named like {name!r} (a step prefix or a fixed "
+          "length), which inspect, verify and load_state_dict do not read: "
+          "`clu-ckpt migrate --verify` with the same --step-prefix / "
+          "--step-format-fixed-length checks such a root")
+  assert orbax_root.step_naming_hint(str(root)) == hint
+  with pytest.raises(errors.CheckpointNotFoundError) as e:
+    checkpoint.load_state_dict(str(root))
+  assert str(e.value).endswith(hint), e.value
+  capsys.readouterr()
+  assert cli.main(["verify", str(root)]) == 1
+  assert cli.main(["verify", str(root), "--source", str(tmp_path)]) in (1, 2)
+  out = capsys.readouterr()
+  assert out.out.count(hint) + out.err.count(hint) == 2, out
+  # A root of plain step numbers gives no such hint.
+  (root / name).rename(root / "300")
+  assert orbax_root.step_naming_hint(str(root)) == ""

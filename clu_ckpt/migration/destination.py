@@ -45,11 +45,17 @@ Synopsis::
 
   with destination.lock("gs://bucket/orbax"):   # a lease, refreshed
     destination.ensure_held("gs://bucket/orbax")  # raises once lost
+
+  # Before deleting a source: what it keeps that the root never got.
+  left = destination.checkpoints_not_migrated("/runs/a/orbax",
+                                              "/runs/a/checkpoints")
+  left.names   # ["ckpt-8"]: saved after the migration, or not selected
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -157,6 +163,9 @@ def _open_lock_file(path: str) -> int:
   except OSError as e:
     if e.errno == errno.ELOOP:
       raise MigrationError(f"{path}: the lock file is a symlink; refused "
+                           "(remove it if nothing is migrating)") from e
+    if e.errno == errno.EISDIR:
+      raise MigrationError(f"{path}: the lock file is a directory; refused "
                            "(remove it if nothing is migrating)") from e
     raise
   st = os.fstat(fd)
@@ -385,3 +394,72 @@ def _manifest_problem(data: Any) -> Optional[str]:
               type(c.get("step")) is int):
         return f"source {source['path']}: a checkpoint without number/step"
   return None
+
+
+@dataclasses.dataclass
+class NotMigrated:
+  """The checkpoints a source keeps that were never migrated into a root.
+
+  Attributes:
+    source: The source's path as discovered (absolute).
+    names: Their names ("ckpt-8"), oldest first; [] when all were migrated.
+    total: How many checkpoints the source keeps.
+  """
+  source: str
+  names: list[str]
+  total: int
+
+
+def checkpoints_not_migrated(root: str, source: str
+                             ) -> Optional[NotMigrated]:
+  """The checkpoints `source` keeps that were never migrated into `root`.
+
+  The question to answer before a source is deleted: a `--latest` or
+  `--number` migration leaves the others behind, and training that went on
+  saves more. A checkpoint counts as migrated when the root's manifest
+  records it (even if its step is gone since: Orbax's `max_to_keep`), or,
+  for what the manifest leaves out (a root migrated before manifests, a
+  kill before the record), when a step's migration metadata names it.
+
+  Example::
+
+    left = checkpoints_not_migrated("/orbax/a", "/runs/a/checkpoints")
+    if left is not None and left.names:
+      print(f"{left.source} keeps {', '.join(left.names)}")
+
+  Args:
+    root: The Orbax root.
+    source: The CLU run (a `Checkpoint` directory or `MultihostCheckpoint`
+      base).
+
+  Returns:
+    What the source keeps and what of it is not migrated, or None when the
+    source cannot be read as a CLU run (the caller says why elsewhere).
+  """
+  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import orbax_root
+  from clu_ckpt.migration import plan
+  # pylint: enable=g-import-not-at-top
+  try:
+    src = plan.discover(source)
+  except (errors.CluCkptError, OSError, ValueError):
+    return None
+  try:
+    recorded = read_manifest(root).recorded(src.path)
+  except MigrationError:
+    recorded = {}
+  done = set(recorded)
+  # Steps' metadata only for what the manifest leaves out: on a bucket each
+  # read is a round trip.
+  unrecorded = [c for c in src.checkpoints if c.number not in done]
+  for number in orbax_root.list_steps(root)[0] if unrecorded else []:
+    try:
+      meta = json.loads(storage.read_bytes(storage.join(
+          root, str(number), "metadata", "metadata")))
+    except (OSError, ValueError):
+      continue
+    if isinstance(meta, dict) and meta.get("source") == src.path:
+      done.add(meta.get("clu_checkpoint_number"))
+  return NotMigrated(src.path, [c.name for c in src.checkpoints
+                                if c.number not in done],
+                     len(src.checkpoints))

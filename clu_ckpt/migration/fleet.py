@@ -118,6 +118,7 @@ from clu_ckpt.migration.fleet_discovery import plan_fleet
 from clu_ckpt.migration.fleet_discovery import read_sources_file
 from clu_ckpt.migration.fleet_discovery import Run
 from clu_ckpt.migration.fleet_report import count_statuses
+from clu_ckpt.migration.fleet_report import sources_to_keep
 from clu_ckpt.migration.fleet_report import FINISHED
 from clu_ckpt.migration.fleet_report import format_bytes
 from clu_ckpt.migration.fleet_report import load_report
@@ -176,7 +177,7 @@ def build_parser(prog: str = PROG
       "MultihostCheckpoint bases) into Orbax roots, in long-lived worker "
       "processes, with a JSON report.",
       epilog="Exit status: 0 every run ok, 1 some run not ok, 2 bad usage, "
-      "130/143 stopped by SIGINT/SIGTERM.")
+      "130/143/129 stopped by SIGINT/SIGTERM/SIGHUP.")
   parser.add_argument("--version", action="version",
                       version=f"{prog} (clu-ckpt {_version()})")
   parser.add_argument("-v", "--verbose", action="store_true",
@@ -185,7 +186,8 @@ def build_parser(prog: str = PROG
   fleet.add_argument("--sources", action="append", default=[],
                      metavar="PATH[,PATH...]",
                      help="CLU checkpoint directories / MultihostCheckpoint "
-                     "bases (comma-separated; repeatable)")
+                     "bases (comma-separated; a comma inside an existing "
+                     "local path stays; repeatable)")
   fleet.add_argument("--source-glob", action="append", default=[],
                      metavar="GLOB", help="a glob matching sources "
                      "(repeatable); quote it")
@@ -295,7 +297,46 @@ def run_merge(args: argparse.Namespace) -> int:
   print(f"{len(merged['runs'])} of {merged['fleet_size']} run(s): "
         f"{counts['ok']} ok, {counts['failed']} failed, {counts['error']} "
         f"error{others}{missing}; report: {args.merge_reports}")
+  _say_sources_to_keep(merged)
   return 0 if merged["ok"] else 1
+
+
+def _say_sources_to_keep(report: Mapping[str, Any]) -> None:
+  if report["sources_to_keep"]:
+    print(f"{len(report['sources_to_keep'])} source(s) keep checkpoints not "
+          "migrated (\"sources_to_keep\" in the report): do not delete them",
+          flush=True)
+
+
+def split_sources(value: str) -> list[str]:
+  """The paths of one `--sources` value.
+
+  Commas separate paths, except inside an existing local path: run
+  directories are often named by their hyperparameters
+  (`runs/lr=0.1,bs=32`), and splitting one would leave that run out. So
+  pieces are joined back, longest first, where the joined name exists.
+
+  Args:
+    value: One `--sources` argument.
+
+  Returns:
+    The paths it names, empty pieces dropped.
+
+  Example::
+
+    split_sources("/runs/a,/runs/b")   # ["/runs/a", "/runs/b"]
+    split_sources("/runs/lr=0.1,bs=32/ckpt,/runs/b")
+    # ["/runs/lr=0.1,bs=32/ckpt", "/runs/b"] when the first exists
+  """
+  pieces, paths, i = value.split(","), [], 0
+  while i < len(pieces):
+    # At most 16 commas in one name: `lexists` calls stay linear.
+    end = next((j for j in range(min(len(pieces), i + 17), i + 1, -1)
+                if os.path.lexists(plain_local(",".join(pieces[i:j])))),
+               i + 1)
+    paths.append(",".join(pieces[i:end]))
+    i = end
+  return [p for p in paths if p]
 
 
 class _Shard:
@@ -323,7 +364,7 @@ class _Shard:
       if not options.TEMPLATE_SPEC.match(self.options["template"]):
         raise UsageError(f"--template {self.options['template']!r}: "
                          "expected MODULE:FUNCTION")
-    sources = [s for group in args.sources for s in group.split(",") if s]
+    sources = [s for group in args.sources for s in split_sources(group)]
     if args.sources_file:
       sources += read_sources_file(args.sources_file)
     sources = [plain_local(s) for s in sources]
@@ -359,6 +400,7 @@ class _Shard:
         "shard_index": self.shard_index,
         "options": self.options,
         "counts": count_statuses(entries),
+        "sources_to_keep": sources_to_keep(entries),
         "runs": entries,
         "skipped": [dataclasses.asdict(s) for s in plan.skipped],
     }
@@ -474,6 +516,7 @@ def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
                    if s not in FINISHED)
   print(f"{counts['ok']} ok, {counts['failed']} failed, {counts['error']} "
         f"error{others}; report: {shard.report_path}", flush=True)
+  _say_sources_to_keep(report)
   if fleet.stop_signal is not None:
     name = signal.Signals(fleet.stop_signal).name
     print(f"{prog}: stopped by {name}: re-run the same command to resume",

@@ -88,14 +88,15 @@ def describe_run(entry: Mapping[str, Any]) -> str:
 
   Args:
     entry: Its report entry ("source", "status", "seconds", "summary",
-      "error").
+      "error" or "warning").
 
   Returns:
-    `source status (steps, bytes written, seconds)[: error]`.
+    `source status (steps, bytes written, seconds)[: error or warning]`.
   """
   details = _step_details((entry.get("summary") or {}).get("steps"))
   details.append(format_seconds(entry.get("seconds", 0)))
-  note = f": {entry['error']}" if entry.get("error") else ""
+  note = entry.get("error") or entry.get("warning")
+  note = f": {note}" if note else ""
   return f"{entry['source']} {entry['status']} ({', '.join(details)}){note}"
 
 
@@ -245,6 +246,23 @@ def now() -> str:
   """The time now (UTC), as the reports write it."""
   return datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds")
+
+
+def sources_to_keep(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+  """The sources of runs that keep checkpoints not migrated.
+
+  A run can be "ok" and still leave checkpoints in its source: `--latest`
+  or `--number` select some, and training may have saved more since. Its
+  entry lists them ("source_not_migrated"); deleting that source would lose
+  them.
+
+  Args:
+    runs: Report entries.
+
+  Returns:
+    Their sources, sorted.
+  """
+  return sorted(r["source"] for r in runs if r.get("source_not_migrated"))
 
 
 def count_statuses(runs: Sequence[Mapping[str, Any]]) -> dict[str, int]:
@@ -438,8 +456,10 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
     The merged report: every run with its "shard", every skipped path, the
     shard reports merged ("merged_from"; a merged report given as input
     stands for the shard reports it merged), the shards missing (when all
-    agree on the shard count), counts, "complete" (every report was) and
-    "ok" (every run ok, no shard missing, no run of the fleet missing).
+    agree on the shard count), counts, "complete" (every report was),
+    "ok" (every run ok, no shard missing, no run of the fleet missing) and
+    "sources_to_keep" (`sources_to_keep`: runs ok whose source keeps
+    checkpoints not migrated).
 
   Raises:
     UsageError: No reports, or reports of different destination roots.
@@ -478,6 +498,7 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
       "counts": counts,
       "ok": (counts["ok"] == len(merged_runs) == fleet_size and
              not missing),
+      "sources_to_keep": sources_to_keep(merged_runs),
       "runs": merged_runs,
       "skipped": [skipped[p] for p in sorted(skipped)],
   }

@@ -183,11 +183,33 @@ class _Worker:
         entry.update(status="failed", error=entry["warning"])
       elif summary.ok:
         entry["status"] = "ok"
+        _name_what_the_source_keeps(entry, summary.dry_run)
       else:
         entry.update(status="failed", error="; ".join(
             f"ckpt-{s.number}: {s.error}" for s in summary.failed))
     entry["seconds"] = round(time.time() - start, 3)
     return entry
+
+
+def _name_what_the_source_keeps(entry: dict[str, Any], dry_run: bool
+                                ) -> None:
+  """Notes in a run's entry the checkpoints its source keeps that are not in
+  its destination (`--latest`, `--number`, saved during the migration), so
+  that an "ok" run is never read as a source safe to delete."""
+  from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
+  if dry_run:
+    return
+  left = destination.checkpoints_not_migrated(entry["destination"],
+                                              entry["source"])
+  if left is None or not left.names:
+    return
+  entry["source_not_migrated"] = left.names
+  shown = ", ".join(left.names[:5]) + (
+      f" and {len(left.names) - 5} more" if len(left.names) > 5 else "")
+  note = (f"the source keeps {len(left.names)} of {left.total} checkpoint(s) "
+          f"not migrated ({shown}): do not delete it")
+  entry["warning"] = (f"{entry['warning']}; {note}" if entry.get("warning")
+                      else note)
 
 
 class _RunError(Exception):
