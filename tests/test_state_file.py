@@ -359,6 +359,9 @@ def test_absolute_paths_written_by_tf(tmp_path):
     # Around one skip's worth and two (the look-ahead must agree with it).
     *('model_checkpoint_path: "a"' + "\n#" * n + '\n"b"\n'
       for n in (15, 16, 17, 32, 33)),
+    # Longer than three skips: every run is followed to its end.
+    "model_checkpoint_path" + "\n#" * 100 + '\n: "a"' + "\n#" * 100 +
+    '\n"b"' + "\n#" * 100 + "\nlast_preserved_timestamp: 1",
     'model_checkpoint_path: "lone"' + " # \"x\"\n" * 40 +
     "last_preserved_timestamp:" + "#\n" * 33 + "5",
 ])
