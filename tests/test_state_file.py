@@ -356,6 +356,12 @@ def test_absolute_paths_written_by_tf(tmp_path):
     " [" + "#c\n" * 40 + '"a",' + "#c\n" * 17 + '"b"' + "#c\n" * 40 + "]" +
     "#\n" * 40 + "all_model_checkpoint_timestamps: [1," + "#\n" * 40 + "2]",
     'model_checkpoint_path: "a"' + "\n#" * 20 + '\n"b"\n',
+    # Around one skip's worth and two (the look-ahead must agree with it).
+    *('model_checkpoint_path: "a"' + "\n#" * n + '\n"b"\n'
+      for n in (15, 16, 17, 32, 33)),
+    # Longer than three skips: every run is followed to its end.
+    "model_checkpoint_path" + "\n#" * 100 + '\n: "a"' + "\n#" * 100 +
+    '\n"b"' + "\n#" * 100 + "\nlast_preserved_timestamp: 1",
     'model_checkpoint_path: "lone"' + " # \"x\"\n" * 40 +
     "last_preserved_timestamp:" + "#\n" * 33 + "5",
 ])
@@ -537,6 +543,10 @@ def test_a_string_no_release_reads_names_its_bad_escape(tmp_path):
     ('Model_Checkpoint_Path: "x"',
      "line 1, column 1: unknown field 'Model_Checkpoint_Path'"),
     ("x" * 50 + ": 1\n", f"line 1, column 1: unknown field {'x' * 40!r}..."),
+    ("y" * 41 + ": 1\n", f"line 1, column 1: unknown field {'y' * 40!r}..."),
+    ("z" * 40 + ": 1\n", f"line 1, column 1: unknown field {'z' * 40!r}"),
+    ("\nx: 1\n", "line 2, column 1: unknown field 'x'"),
+    ("\n  x: 1\n", "line 2, column 3: unknown field 'x'"),
     ('\n\n  model_checkpoint_path: "a";;\n',
      "line 3, column 30: unknown field ';'"),
     ('model_checkpoint_path "x"\n',
@@ -551,6 +561,9 @@ def test_syntax_errors_say_where_and_what(tmp_path, text, where_and_what):
   assert str(raised.value) == (
       f"checkpoint state file {tmp_path / 'checkpoint'}: cannot parse: "
       f"{where_and_what}")
+  # The parser's own error is kept as the cause.
+  assert type(raised.value.__cause__) is ValueError  # pylint: disable=unidiomatic-typecheck
+  assert str(raised.value.__cause__) == where_and_what
 
 
 def test_binary_state_file_is_none(tmp_path):
@@ -1018,10 +1031,16 @@ def test_a_line_too_long_for_python_3_10_is_refused_there():
           "\\n" * (state_file.MAX_LINE_PY310 // 2) + '"\n')
   assert len(line) > state_file.MAX_LINE_PY310
   text = 'last_preserved_timestamp: 1\n' + line
-  with pytest.raises(ValueError, match=re.escape(
-      f"line 2: longer than {state_file.MAX_LINE_PY310} characters, which "
-      "clu_ckpt does not read on Python 3.10")):
+  with pytest.raises(ValueError) as raised:
     state_file._bounded(text, py310=True)  # pylint: disable=protected-access
+  assert str(raised.value) == (
+      f"line 2: longer than {state_file.MAX_LINE_PY310} characters, which "
+      "clu_ckpt does not read on Python 3.10 (its `re` would need memory in "
+      "proportion; TensorFlow writes one path per line)")
+  # Counted from the first line, whatever it holds (here nothing), not
+  # from the end.
+  with pytest.raises(ValueError, match="^line 2: longer than"):
+    state_file._bounded("\n" + line + "x\n" * 3, py310=True)  # pylint: disable=protected-access
   assert state_file._bounded(text, py310=False) == text  # pylint: disable=protected-access
   short = "x" * state_file.MAX_LINE_PY310 + "\n"
   assert state_file._bounded(short * 3, py310=True) == short * 3  # pylint: disable=protected-access
