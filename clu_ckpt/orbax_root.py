@@ -330,8 +330,10 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
   if chosen is not None:
     tree = _step_tree(storage.join(root, str(chosen)), problems)
     tree["number"] = chosen
-  elif step_naming_hint(root):
-    problems.append(f"{root}: no finished step{step_naming_hint(root)}")
+  elif not numbers:
+    hint = step_naming_hint(root)  # one listing, and only without steps
+    if hint:
+      problems.append(f"{root}: no finished step{hint}")
   return dict(kind="orbax_root", path=root, steps=rows, partial=partial,
               tree=tree, problems=problems)
 

@@ -304,6 +304,12 @@ def test_roots_of_named_steps_are_named_in_every_refusal(tmp_path, capsys,
   with pytest.raises(errors.CheckpointNotFoundError) as e:
     checkpoint.load_state_dict(str(root))
   assert str(e.value).endswith(hint), e.value
+  if name.isdigit():  # listed as an Orbax root, but no step is read
+    assert inspection.inspect_path(str(root))["problems"] == [
+        f"{root}: no finished step{hint}"]
+  else:
+    with pytest.raises(errors.CheckpointNotFoundError, match=re.escape(hint)):
+      inspection.inspect_path(str(root))
   capsys.readouterr()
   assert cli.main(["verify", str(root)]) == 1
   assert cli.main(["verify", str(root), "--source", str(tmp_path)]) in (1, 2)
