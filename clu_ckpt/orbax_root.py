@@ -177,13 +177,16 @@ def step_naming_hint(path: str) -> str:
     "" when no such name is there; else a sentence starting with "; ".
   """
   try:
-    names = [n.rstrip("/") for n in storage.listdir(layout.absolute(path))]
+    root = layout.absolute(path)
+    names = [n.rstrip("/") for n in storage.listdir(root)]
+    # Step directories only: Flax's own `checkpoint_<step>` files are not.
+    named = next((n for n in sorted(names) if _NAMED_STEP.match(n)
+                  and storage.isdir(storage.join(root, n))), None)
   except (OSError, ValueError):
     return ""
-  named = sorted(n for n in names if _NAMED_STEP.match(n))
-  if not named:
+  if named is None:
     return ""
-  return (f"; its steps are named like {named[0]!r} (a step prefix or a "
+  return (f"; its steps are named like {named!r} (a step prefix or a "
           "fixed length), which inspect, verify and load_state_dict do not "
           "read: `clu-ckpt migrate --verify` with the same --step-prefix / "
           "--step-format-fixed-length checks such a root")

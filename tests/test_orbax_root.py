@@ -315,6 +315,9 @@ def test_roots_of_named_steps_are_named_in_every_refusal(tmp_path, capsys,
   assert cli.main(["verify", str(root), "--source", str(tmp_path)]) in (1, 2)
   out = capsys.readouterr()
   assert out.out.count(hint) + out.err.count(hint) == 2, out
-  # A root of plain step numbers gives no such hint.
+  # A root of plain step numbers gives no such hint, nor files so named
+  # (Flax's own `checkpoint_<step>` files).
   (root / name).rename(root / "300")
+  assert orbax_root.step_naming_hint(str(root)) == ""
+  (root / "checkpoint_10").write_bytes(b"")
   assert orbax_root.step_naming_hint(str(root)) == ""
