@@ -9,6 +9,8 @@ multipart uploads. Parts are made small on GCS (`UPLOAD_BLOCK` patched to
 
 import array
 import os
+import threading
+import time
 
 import pytest
 
@@ -242,3 +244,134 @@ def test_compose_rounds_and_where_their_objects_wait(gcs, gs_root, parts,
   for path, _ in calls[:-1]:
     assert path.startswith(parts_dir)
   assert not _leftovers(gcs, _bucket(url))
+
+
+def _slowed_parts(fs, monkeypatch, seconds):
+  """Makes each GCS part take `seconds`; returns (started, finished) events."""
+  real = fs.fs.pipe_file
+  started, finished = threading.Event(), threading.Event()
+
+  def slow(path, value, *args, **kwargs):
+    if f"/{bucket_upload.PARTS_PREFIX}/" not in path:
+      return real(path, value, *args, **kwargs)
+    started.set()
+    try:
+      time.sleep(seconds)
+      return real(path, value, *args, **kwargs)
+    finally:
+      finished.set()
+  monkeypatch.setattr(fs.fs, "pipe_file", slow)
+  return started, finished
+
+
+def test_abort_waits_for_a_part_in_flight_before_removing_the_parts(
+    gcs, gs_root, monkeypatch):
+  # A part still being sent when abort removes the parts would appear
+  # after the removal and stay: abort waits for it first.
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 256 * _KIB)
+  url = f"{gs_root}/in-flight"
+  fs = storage.filesystem(url)
+  fs.makedirs(url)
+  started, finished = _slowed_parts(fs, monkeypatch, 0.5)
+  upload = bucket_upload.PartsUpload(fs, url)
+  upload.write(os.urandom(256 * _KIB))  # one full part: sent at once
+  assert started.wait(10)
+  upload.abort()
+  assert finished.wait(10)
+  assert not storage.exists(url)
+  assert not _leftovers(gcs, _bucket(url))
+
+
+def test_write_waits_while_upload_streams_parts_are_in_flight(
+    gcs, gs_root, monkeypatch):
+  # Bounded memory: at most upload_streams() parts are held for sending;
+  # the next write waits for one of them to finish.
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 256 * _KIB)
+  monkeypatch.setenv("CLU_CKPT_BUCKET_UPLOAD_STREAMS", "2")
+  url = f"{gs_root}/bounded"
+  fs = storage.filesystem(url)
+  fs.makedirs(url)
+  real = fs.fs.pipe_file
+  go = threading.Event()
+  entered = []
+
+  def held(path, value, *args, **kwargs):
+    if f"/{bucket_upload.PARTS_PREFIX}/" in path:
+      entered.append(path)
+      go.wait(20)
+    return real(path, value, *args, **kwargs)
+  monkeypatch.setattr(fs.fs, "pipe_file", held)
+  upload = bucket_upload.PartsUpload(fs, url)
+  data = os.urandom(5 * 256 * _KIB)
+  writer = threading.Thread(target=upload.write, args=(data,))
+  writer.start()
+  try:
+    deadline = time.monotonic() + 10
+    while len(entered) < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.3)  # room for a write that would not wait
+    assert len(entered) == 2
+    assert writer.is_alive()  # the third part waits for a slot
+  finally:
+    go.set()
+    writer.join(20)
+  upload.commit()
+  assert _read(gcs, url) == data
+  assert not _leftovers(gcs, _bucket(url))
+
+
+def test_parts_that_cannot_be_removed_leave_the_object_whole(
+    gcs, gs_root, monkeypatch):
+  # Removing the parts is tidying: a store refusing it fails neither the
+  # commit (the object is there) nor an abort (its own error is the one
+  # raised).
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 256 * _KIB)
+  url = f"{gs_root}/kept-parts"
+  fs = storage.filesystem(url)
+  fs.makedirs(url)
+  real_rm = fs.fs.rm
+
+  def rm_refused(*args, **kwargs):
+    del args, kwargs
+    raise _HttpError(503)
+  monkeypatch.setattr(fs.fs, "rm", rm_refused)
+  upload = bucket_upload.PartsUpload(fs, url)
+  data = os.urandom(600 * _KIB)
+  upload.write(data)
+  upload.commit()
+  assert _read(gcs, url) == data
+  left = _leftovers(gcs, _bucket(url))
+  assert len(left) == 3  # the three parts, left by the refusal
+
+  url = f"{gs_root}/kept-parts-aborted"
+  upload = bucket_upload.PartsUpload(fs, url)
+  upload.write(os.urandom(600 * _KIB))
+  upload.abort()  # does not raise
+  assert not storage.exists(url)
+  monkeypatch.setattr(fs.fs, "rm", real_rm)
+  real_rm(_leftovers(gcs, _bucket(url)))
+
+
+def test_an_abort_the_store_refuses_is_quiet(s3, monkeypatch):
+  # abort runs while another error is on its way up: its own failures are
+  # swallowed so that error is the one raised.
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 5 * _MIB)
+  bucket = s3.bucket()
+  url = f"s3://{bucket}/run/refused-abort"
+  fs = storage.filesystem(url)
+  fs.makedirs(url)
+  real = fs.fs.call_s3
+
+  def no_abort(method, *args, **kwargs):
+    if method == "abort_multipart_upload":
+      raise _HttpError(503)
+    return real(method, *args, **kwargs)
+  upload = bucket_upload.PartsUpload(fs, url)
+  upload.write(os.urandom(5 * _MIB + 1))
+  monkeypatch.setattr(fs.fs, "call_s3", no_abort)
+  upload.abort()  # does not raise
+  assert not storage.exists(url)
+  monkeypatch.setattr(fs.fs, "call_s3", real)
+  (open_upload,) = _leftovers(s3, bucket)
+  fs.fs.call_s3("abort_multipart_upload", Bucket=bucket,
+                Key=open_upload["Key"], UploadId=open_upload["UploadId"])
