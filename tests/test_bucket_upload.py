@@ -297,7 +297,7 @@ def test_write_waits_while_upload_streams_parts_are_in_flight(
 
   def held(path, value, *args, **kwargs):
     if f"/{bucket_upload.PARTS_PREFIX}/" in path:
-      entered.append(path)
+      entered.append(threading.current_thread().name)
       go.wait(20)
     return real(path, value, *args, **kwargs)
   monkeypatch.setattr(fs.fs, "pipe_file", held)
@@ -312,6 +312,8 @@ def test_write_waits_while_upload_streams_parts_are_in_flight(
     time.sleep(0.3)  # room for a write that would not wait
     assert len(entered) == 2
     assert writer.is_alive()  # the third part waits for a slot
+    # Named for what they do (thread dumps of a hung upload say whose).
+    assert all(n.startswith("clu_ckpt-upload") for n in entered), entered
   finally:
     go.set()
     writer.join(20)
