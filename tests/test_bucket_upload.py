@@ -377,3 +377,25 @@ def test_an_abort_the_store_refuses_is_quiet(s3, monkeypatch):
   (open_upload,) = _leftovers(s3, bucket)
   fs.fs.call_s3("abort_multipart_upload", Bucket=bucket,
                 Key=open_upload["Key"], UploadId=open_upload["UploadId"])
+
+
+def test_a_multipart_upload_the_store_refuses_to_open_names_the_url(
+    s3, monkeypatch):
+  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 5 * _MIB)
+  bucket = s3.bucket()
+  url = f"s3://{bucket}/run/never-opened"
+  fs = storage.filesystem(url)
+  real = fs.fs.call_s3
+
+  def no_create(method, *args, **kwargs):
+    if method == "create_multipart_upload":
+      raise _HttpError(503)
+    return real(method, *args, **kwargs)
+  monkeypatch.setattr(fs.fs, "call_s3", no_create)
+  with pytest.raises(OSError) as raised:
+    with storage.atomic_writer(url) as write:
+      write(os.urandom(5 * _MIB + 1))
+  assert raised.value.filename == url
+  assert "Service Unavailable" in raised.value.strerror
+  assert not storage.exists(url)
+  assert not _leftovers(s3, bucket)
