@@ -523,3 +523,27 @@ def test_object_store_pruning_deletes_only_what_nobody_lists(tmp_path):
     assert f"ckpt-{n}.index" in left and (
         f"ckpt-{n}.data-00000-of-00001" in left), n
   assert not [f for f in left if f.startswith("ckpt-5")]
+
+
+def test_object_store_manager_uploads_files_a_piece_at_a_time(tmp_path,
+                                                              monkeypatch):
+  """Bounded memory: a TensorFlow file goes up in pieces of _UPLOAD_CHUNK
+  bytes, never read whole."""
+  monkeypatch.setattr(tf_manager, "_UPLOAD_CHUNK", 1000)
+  real = storage.atomic_writer
+  pieces = []
+
+  @contextlib.contextmanager
+  def recording(path):
+    with real(path) as write:
+      def record(data):
+        pieces.append(len(data))
+        write(data)
+      yield record
+  monkeypatch.setattr(storage, "atomic_writer", recording)
+  local = tmp_path / "local.bin"
+  data = os.urandom(2500)
+  local.write_bytes(data)
+  tf_manager._upload(str(local), str(tmp_path / "up.bin"))  # pylint: disable=protected-access
+  assert pieces == [1000, 1000, 500]
+  assert (tmp_path / "up.bin").read_bytes() == data
