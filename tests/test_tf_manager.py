@@ -430,6 +430,9 @@ def test_object_store_manager_without_a_limit_keeps_everything(tmp_path):
       max_to_keep=None, checkpoint_name="ckpt")
   assert again.latest_checkpoint == f"{tmp_path}/runX/ckpt-4"
   assert again.checkpoints == manager.checkpoints
+  again._checkpoint.save_counter.assign(4)  # pylint: disable=protected-access
+  assert again.save() == f"{tmp_path}/runX/ckpt-5"
+  assert again.checkpoints == manager.checkpoints + [f"{tmp_path}/runX/ckpt-5"]
 
 
 def test_object_store_manager_reads_books_as_tensorflow_does(tmp_path,
@@ -547,3 +550,26 @@ def test_object_store_manager_uploads_files_a_piece_at_a_time(tmp_path,
   tf_manager._upload(str(local), str(tmp_path / "up.bin"))  # pylint: disable=protected-access
   assert pieces == [1000, 1000, 500]
   assert (tmp_path / "up.bin").read_bytes() == data
+
+
+def test_object_store_manager_on_the_files_own_instant_does_not_warn(
+    tmp_path, caplog, monkeypatch):
+  """A clock equal to the file's last_preserved_timestamp is not behind it
+  (TensorFlow's rule: `<`)."""
+  paths = [f"{tmp_path}/ckpt-{n}" for n in (1, 2)]
+  (tmp_path / "checkpoint").write_text(
+      f'model_checkpoint_path: "{paths[-1]}"\n' +
+      "".join(f'all_model_checkpoint_paths: "{p}"\n' for p in paths) +
+      "all_model_checkpoint_timestamps: 990.0\n"
+      "all_model_checkpoint_timestamps: 1000.5\n"
+      "last_preserved_timestamp: 1000.0\n")
+  monkeypatch.setattr(time, "time", lambda: 1000.0)
+  with caplog.at_level(logging.WARNING):
+    ours = _object_store_manager(tmp_path)
+  assert not [r for r in caplog.records if "behind" in r.getMessage()]
+  theirs = tf.train.CheckpointManager(tf.train.Checkpoint(), str(tmp_path),
+                                      max_to_keep=2)
+  assert ours._last_preserved_timestamp == theirs._last_preserved_timestamp == 1000.0  # pylint: disable=protected-access
+  # Nothing is newer than the last preserved instant: nothing managed.
+  assert ours._maybe_delete == theirs._maybe_delete == {}  # pylint: disable=protected-access
+  assert ours.latest_checkpoint == theirs.latest_checkpoint == paths[1]
