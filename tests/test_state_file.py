@@ -669,6 +669,73 @@ def test_long_escaped_strings_parse_as_tf(tmp_path, monkeypatch):
     state = assert_same_as_tf(str(tmp_path / str(i)))
     assert len(state.model_checkpoint_path) > 20_000
 
+# Every kind of escape, known, unknown (`\?`, `\X`), hex of one and two digits
+# of either case, a hex escape cut by a non-hex byte (`\xfX`) or by the end.
+ESCAPE_ATOMS = [
+    "a", "é", "X", "x", "\\\\", "\\n", "\\t", "\\a", "\\b", "\\f", "\\r", "\\v",
+    "\\'", '\\"', "\\?", "\\q", "\\X", "\\c", "\\8", "\\ ", "\\\n", "\\x5",
+    "\\xf", "\\xfX", "\\xfA", "\\xAg", "\\xA", "\\xFf", "\\x4a1", "\\xg", "\\x",
+    "\\101", "\\0", "\\7", "\\u00e9", "\\U0001F600", "\\N{DIGIT ONE}", "\\\\x5"]
+
+
+def _hidden_bodies(rng, cases):
+  """Byte strings as `_fix_escapes` gets them (`\\` hidden as 0xFF 0xFF),
+  longer than _VECTOR_MIN, some ending in an escape cut short."""
+  for i in range(cases):
+    body = "".join(rng.choices(ESCAPE_ATOMS, k=30_000))
+    tail = ["", "\\", "\\x", "\\x5", "\\xf", "\\?", "\\xfA"][i % 7]
+    yield (body + tail).encode("utf-8").replace(b"\\\\", b"\xff\xff")
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 4099, 61])
+def test_long_strings_get_the_escape_fixes_short_ones_get(monkeypatch, chunk):
+  """`_fix_escapes` of a string past _VECTOR_MIN (numpy, a chunk at a time)
+  is byte for byte what `re.sub` makes of it (the path of short strings,
+  compared with TensorFlow by the tests above), for both fixes."""
+  monkeypatch.setattr(state_file, "_CHUNK", chunk)
+  rng = random.Random(chunk)
+  for hidden in _hidden_bodies(rng, 7 if chunk > 61 else 2):
+    assert len(hidden) > state_file._VECTOR_MIN
+    for fix, (pattern, template, _, _) in state_file._FIXES.items():
+      expected = pattern.sub(template, hidden)
+      assert expected != hidden  # every fix has escapes to fix here
+      got = state_file._fix_escapes(hidden, fix)
+      assert bytes(got) == expected, (fix, hidden[-20:])
+
+
+def test_long_strings_unescape_as_short_ones(monkeypatch):
+  """A long quoted string means, by every rule, what it means read the
+  short way (or is refused the same way)."""
+  rng = random.Random(5)
+  atoms = [a for a in ESCAPE_ATOMS if a not in ("\\8", "\\\n")]
+
+  def unescaped(token, rules):
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      try:
+        return state_file._unescape(token, rules)
+      except ValueError as e:
+        return type(e)
+  for _ in range(3):
+    token = '"' + "".join(rng.choices(atoms, k=30_000)) + '"'
+    for escapes in ("legacy", "current", "either"):
+      rules = state_file.TextRules(True, True, escapes)
+      long_way = unescaped(token, rules)
+      with monkeypatch.context() as m:
+        m.setattr(state_file, "_VECTOR_MIN", 1 << 40)
+        short_way = unescaped(token, rules)
+      assert long_way == short_way, escapes
+  # And one of each atom alone, long: none refused the long way only.
+  for atom in atoms:
+    token = '"' + "a" * (1 << 16) + atom + '"'
+    for escapes in ("legacy", "current"):
+      rules = state_file.TextRules(True, True, escapes)
+      long_way = unescaped(token, rules)
+      with monkeypatch.context() as m:
+        m.setattr(state_file, "_VECTOR_MIN", 1 << 40)
+        assert unescaped(token, rules) == long_way, (atom, escapes)
+
+
 # ---------------------------------------------------------------------------
 # Strict mode and limits.
 # ---------------------------------------------------------------------------
