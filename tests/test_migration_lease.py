@@ -587,6 +587,33 @@ def test_a_lock_that_keeps_vanishing_is_left_to_its_holder(tmp_path,
   assert not storage.exists(marker)
 
 
+def test_a_takeover_won_on_the_last_attempt_holds_the_lock(tmp_path,
+                                                         monkeypatch):
+  """The lock seems to vanish while looked at in all rounds but the last,
+  where the stale lock is taken over: the takeover is the result, not a
+  "locked" error naming this very process."""
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, _ = _stale_thief(tmp_path)
+  stat = storage.stat
+  vanishings = [None] * (lease_lib._ATTEMPTS - 1)  # pylint: disable=protected-access
+
+  def vanished_at_first(p):
+    if p == path and vanishings:
+      vanishings.pop()
+      raise FileNotFoundError(p)
+    return stat(p)
+
+  monkeypatch.setattr(storage, "stat", vanished_at_first)
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    assert not vanishings
+    assert json.loads(storage.read_bytes(path)) == held.record
+    lease_lib.ensure_held(root)
+  finally:
+    held.release()
+  assert not storage.exists(path)
+
+
 def test_markers_that_cannot_be_cleaned_are_only_logged(tmp_path, monkeypatch,
                                                         caplog):
   def failing_glob(pattern):
