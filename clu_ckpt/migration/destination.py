@@ -452,10 +452,12 @@ def checkpoints_not_migrated(root: str, source: str
   # Steps' metadata only for what the manifest leaves out: on a bucket each
   # read is a round trip.
   unrecorded = [c for c in src.checkpoints if c.number not in done]
-  for number in orbax_root.list_steps(root)[0] if unrecorded else []:
+  naming, steps, _ = (orbax_root.read_steps(root) if unrecorded else
+                      (None, [], []))
+  for number in steps:
     try:
       meta = json.loads(storage.read_bytes(storage.join(
-          root, str(number), "metadata", "metadata")))
+          naming.path(root, number), "metadata", "metadata")))
     except (OSError, ValueError):
       continue
     if isinstance(meta, dict) and meta.get("source") == src.path:
