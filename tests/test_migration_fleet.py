@@ -911,3 +911,189 @@ def test_flax_files_of_another_prefix_are_a_run(tmp_path, monkeypatch):
       {"source": str(run), "destination": str(tmp_path / "out")}, {})
   assert entry["status"] == "ok", entry
   assert [s["step"] for s in entry["summary"]["steps"]] == [5, 10]
+
+
+# --------------------------------------------------------------------------
+# Runs that discovery must not leave out: real fleets of golden checkpoints.
+# --------------------------------------------------------------------------
+
+
+def _golden_run(name, target):
+  """A writable copy of golden case `name`'s directory (or host directory
+  `name` = "multihost/checkpoints-1") at `target`."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from conftest import golden_case, make_writable  # pylint: disable=g-import-not-at-top
+  case, _, sub = name.partition("/")
+  shutil.copytree(golden_case(case) / sub, target,
+                  ignore=shutil.ignore_patterns("MANIFEST.json"))
+  make_writable(target)
+
+
+def _host_dirs(root):
+  return sorted(str(p.relative_to(root)) for p in root.glob("runs/*/*-[0-9]"))
+
+
+def test_host_directories_a_matched_base_implies_end_as_runs_or_errors(
+    tmp_path, monkeypatch):
+  """`runs/*/checkpoints` names bases whose host directories are not a
+  MultihostCheckpoint as found: host 0 missing (b), host 0 empty (d), host
+  directories beside a base that is itself a checkpoint directory (c).
+  They were neither runs nor skipped: the fleet said ok and exit 0."""
+  _golden_run("multihost/checkpoints-1", tmp_path / "runs/b/checkpoints-1")
+  _golden_run("single_host", tmp_path / "runs/c/checkpoints")
+  _golden_run("multihost/checkpoints-0", tmp_path / "runs/c/checkpoints-0")
+  _golden_run("multihost/checkpoints-1", tmp_path / "runs/c/checkpoints-1")
+  (tmp_path / "runs/d/checkpoints-0").mkdir(parents=True)
+  _golden_run("multihost/checkpoints-1", tmp_path / "runs/d/checkpoints-1")
+  _golden_run("multihost/checkpoints-1", tmp_path / "runs/o/checkpoints-1")
+  (tmp_path / "runs/o/checkpoints-0").mkdir()
+  (tmp_path / "runs/o/checkpoints-0/notes.txt").write_text("not a state")
+  _golden_run("single_host", tmp_path / "runs/e/checkpoints")
+  (tmp_path / "runs/x/checkpoints-0").mkdir(parents=True)  # nothing saved
+  monkeypatch.chdir(tmp_path)
+  plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])
+  runs = {r.source: (r.kind, r.error) for r in plan.runs}
+  assert runs == {
+      "runs/b/checkpoints": ("MultihostCheckpoint", (
+          "host directory runs/b/checkpoints-0 missing (found hosts 1): "
+          "restore it, or migrate the hosts found with clu-ckpt migrate")),
+      "runs/c/checkpoints": ("Checkpoint", None),
+      **{f"runs/c/checkpoints-{h}": ("clu", (
+          "beside runs/c/checkpoints, itself a checkpoint directory: a host "
+          "of a MultihostCheckpoint or a run of its own? Name it with "
+          "--sources to migrate it as a run of its own, or move "
+          "runs/c/checkpoints aside to migrate runs/c/checkpoints-<N> as "
+          "one MultihostCheckpoint")) for h in (0, 1)},
+      "runs/d/checkpoints": ("MultihostCheckpoint", (
+          "host directory runs/d/checkpoints-0 is empty: restore it, or "
+          "migrate the hosts found with clu-ckpt migrate")),
+      "runs/e/checkpoints": ("Checkpoint", None),
+      "runs/o/checkpoints": ("MultihostCheckpoint", (
+          "host directory runs/o/checkpoints-0 is not a CLU checkpoint "
+          "directory: restore it, or migrate the hosts found with clu-ckpt "
+          "migrate"))}
+  assert [(s.path, s.reason) for s in plan.skipped] == [
+      ("runs/x/checkpoints-0",
+       "empty directory (a runs/x/checkpoints-<N> directory)")]
+  # Every host directory is a run, a host of one, or skipped: none unseen.
+  seen = {s.path for s in plan.skipped} | {
+      h for r in plan.runs for h in [r.source, *r.hosts]}
+  assert set(_host_dirs(tmp_path)) <= seen
+  # The fleet fails: its exit status protects the sources.
+  out = io.StringIO()
+  monkeypatch.setattr(sys, "stdout", out)
+  assert fleet.main(["--source-glob=runs/*/checkpoints",
+                     "--destination-root=orbax", "--dry-run"]) == 1
+  assert "cannot migrate runs/b/checkpoints: host directory" in out.getvalue()
+
+
+def test_a_named_host_like_directory_beside_a_checkpoint_is_a_run(
+    tmp_path, monkeypatch):
+  """What the error of a base with host directories beside it tells to do
+  works: `--sources=<base>-0` is a run of its own."""
+  _golden_run("single_host", tmp_path / "runs/c/checkpoints")
+  _golden_run("multihost/checkpoints-0", tmp_path / "runs/c/checkpoints-0")
+  monkeypatch.chdir(tmp_path)
+  plan = fleet_discovery.plan_fleet(["runs/c/checkpoints-0"], [])
+  assert [(r.source, r.kind, r.error) for r in plan.runs] == [
+      ("runs/c/checkpoints-0", "Checkpoint", None)]
+
+
+def test_runs_named_like_hosts_are_not_fused_silently(tmp_path,
+                                                      monkeypatch):
+  """`runs/*` matches `seed-0` and `seed-1`, two single-host runs: read as
+  the hosts of a MultihostCheckpoint `runs/seed`, seed-1's state was never
+  migrated and seed-0's newest checkpoint was dropped as "not on every
+  host", with exit 0. The glob matching both names cannot tell: an error
+  saying how to name them; each naming then plans what it says."""
+  _golden_run("single_host", tmp_path / "runs/seed-0")
+  _golden_run("single_host", tmp_path / "runs/seed-1")
+  for name in ("ckpt-5.flax", "ckpt-5.index", "ckpt-5.data-00000-of-00001"):
+    (tmp_path / "runs/seed-1" / name).unlink()
+  monkeypatch.chdir(tmp_path)
+  plan = fleet_discovery.plan_fleet([], ["runs/*"])
+  assert [(r.source, r.hosts, r.error) for r in plan.runs] == [
+      ("runs/seed", ["runs/seed-0", "runs/seed-1"], (
+          "runs/seed-0, runs/seed-1: the hosts of one MultihostCheckpoint "
+          "runs/seed (no such directory), or runs of their own? The glob "
+          "matches both names; name them with --sources=runs/seed (one run) "
+          "or --sources=runs/seed-0,runs/seed-1 (runs of their own)"))]
+  assert not plan.skipped
+  apart = fleet_discovery.plan_fleet(["runs/seed-0", "runs/seed-1"], [])
+  assert [(r.source, r.kind, r.error) for r in apart.runs] == [
+      ("runs/seed-0", "Checkpoint", None), ("runs/seed-1", "Checkpoint", None)]
+  fused = fleet_discovery.plan_fleet(["runs/seed"], [])
+  assert [(r.source, r.kind, r.error) for r in fused.runs] == [
+      ("runs/seed", "MultihostCheckpoint", None)]
+  # A glob naming the host directories only still covers their base.
+  hosts = fleet_discovery.plan_fleet([], ["runs/seed-*"])
+  assert [(r.source, r.kind, r.error) for r in hosts.runs] == [
+      ("runs/seed", "MultihostCheckpoint", None)]
+
+
+def test_flax_files_of_several_prefixes_are_an_error_not_a_skip(
+    tmp_path, monkeypatch):
+  """`model_3` and `ema_10`, Flax states of two prefixes: likely a run (the
+  fleet cannot tell which is its state), so an error, not "not a
+  checkpoint directory"."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  run = tmp_path / "runs" / "two"
+  run.mkdir(parents=True)
+  for name in ("model_3", "ema_10"):
+    flax_format.save_file({"w": np.ones(2, np.float32)}, str(run / name))
+  monkeypatch.chdir(tmp_path)
+  plan = fleet_discovery.plan_fleet([], ["runs/*"])
+  assert [(r.source, r.error) for r in plan.runs] == [(
+      "runs/two", "Flax checkpoint files of several prefixes (ema_, "
+      "model_): which is the run's state cannot be told; move each "
+      "prefix's files into a directory of its own")]
+  assert not plan.skipped
+
+
+def _without_permission_bypass():
+  """The command prefix that runs a process without root's permission
+  bypass (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); [] for another user."""
+  import os  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  if os.geteuid() != 0:
+    return []
+  setpriv = shutil.which("setpriv")
+  caps = "-dac_override,-dac_read_search"
+  if setpriv is None or subprocess.run(
+      [setpriv, "--bounding-set", caps, "--inh-caps", caps, "true"],
+      check=False).returncode:
+    pytest.skip("root, and setpriv cannot drop the permission bypass")
+  return [setpriv, "--bounding-set", caps, "--inh-caps", caps]
+
+
+@pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
+                                     "runs/**/checkpoints"])
+def test_a_directory_the_glob_cannot_enter_is_an_error(tmp_path, pattern):
+  """Runs under directories the migrating user cannot enter were left out
+  without a word (`except OSError: continue`, `os.walk` ignoring errors):
+  each such directory is an error naming it and the OS error, in a real
+  fleet process (exit status 1)."""
+  _golden_run("single_host", tmp_path / "runs/ok/checkpoints")
+  _golden_run("single_host", tmp_path / "runs/p1/checkpoints")
+  _golden_run("single_host", tmp_path / "runs/deep/x/checkpoints")
+  for closed in ("runs/p1", "runs/deep"):
+    (tmp_path / closed).chmod(0o000)
+  try:
+    result = subprocess.run(
+        [*_without_permission_bypass(), sys.executable,
+         str(Path(__file__).resolve().parents[1] / "migration" /
+             "migrate_runs.py"), f"--source-glob={pattern}",
+         "--destination-root=orbax", "--dry-run"],
+        cwd=tmp_path, capture_output=True, text=True, check=False,
+        timeout=120)
+  finally:
+    for closed in ("runs/p1", "runs/deep"):
+      (tmp_path / closed).chmod(0o755)
+  assert result.returncode == 1, result
+  lines = result.stdout.splitlines()
+  for closed in ("runs/p1", "runs/deep"):
+    assert (f"cannot migrate {closed}: cannot list: Permission denied (runs "
+            f"below it that {pattern} would match cannot be seen)") in lines
+  assert ("would migrate runs/ok/checkpoints -> orbax/ok/checkpoints "
+          "(Checkpoint, 4.8 KiB)") in lines

@@ -699,9 +699,9 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
     elif kind == OTHER and len(_flax_prefixes(path, entries)) > 1:
       prefixes = ", ".join(_flax_prefixes(path, entries))
       runs.append(Run(path, FLAX_TRAINING, error=(
-          f"Flax checkpoint files of several prefixes ({prefixes}): one "
-          "run's state, which? Move each prefix's files into a directory "
-          "of its own")))
+          f"Flax checkpoint files of several prefixes ({prefixes}): "
+          "which is the run's state cannot be told; move each prefix's "
+          "files into a directory of its own")))
     elif explicit:
       runs.append(Run(path, kind, error=_REASONS[kind]))
     else:
