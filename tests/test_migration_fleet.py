@@ -985,15 +985,7 @@ def test_host_directories_a_matched_base_implies_end_as_runs_or_errors(
   assert fleet.main(["--source-glob=runs/*/checkpoints",
                      "--destination-root=orbax", "--dry-run"]) == 1
   assert "cannot migrate runs/b/checkpoints: host directory" in out.getvalue()
-
-
-def test_a_named_host_like_directory_beside_a_checkpoint_is_a_run(
-    tmp_path, monkeypatch):
-  """What the error of a base with host directories beside it tells to do
-  works: `--sources=<base>-0` is a run of its own."""
-  _golden_run("single_host", tmp_path / "runs/c/checkpoints")
-  _golden_run("multihost/checkpoints-0", tmp_path / "runs/c/checkpoints-0")
-  monkeypatch.chdir(tmp_path)
+  # What c's error tells to do works: named, `<base>-0` is a run of its own.
   plan = fleet_discovery.plan_fleet(["runs/c/checkpoints-0"], [])
   assert [(r.source, r.kind, r.error) for r in plan.runs] == [
       ("runs/c/checkpoints-0", "Checkpoint", None)]
@@ -1067,33 +1059,57 @@ def _without_permission_bypass():
   return [setpriv, "--bounding-set", caps, "--inh-caps", caps]
 
 
+def _fleet_without_permission_bypass(cwd, *args):
+  """The fleet script's dry run as a user that permissions apply to."""
+  return subprocess.run(
+      [*_without_permission_bypass(), sys.executable,
+       str(Path(__file__).resolve().parents[1] / "migration" /
+           "migrate_runs.py"), *args, "--destination-root=orbax",
+       "--dry-run"], cwd=cwd, capture_output=True, text=True, check=False,
+      timeout=120)
+
+
 @pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
                                      "runs/**/checkpoints"])
 def test_a_directory_the_glob_cannot_enter_is_an_error(tmp_path, pattern):
   """Runs under directories the migrating user cannot enter were left out
   without a word (`except OSError: continue`, `os.walk` ignoring errors):
   each such directory is an error naming it and the OS error, in a real
-  fleet process (exit status 1)."""
+  fleet process (exit status 1); one inside a run that `**` walks into is
+  that run's error (a run in it would go with the run's source); the
+  glob's own top unlistable is a usage error (exit 2)."""
   _golden_run("single_host", tmp_path / "runs/ok/checkpoints")
   _golden_run("single_host", tmp_path / "runs/p1/checkpoints")
   _golden_run("single_host", tmp_path / "runs/deep/x/checkpoints")
-  for closed in ("runs/p1", "runs/deep"):
-    (tmp_path / closed).chmod(0o000)
+  _golden_run("single_host", tmp_path / "runs/in/checkpoints")
+  (tmp_path / "runs/in/checkpoints/sub").mkdir()
+  closed = ["runs/p1", "runs/deep", "runs/in/checkpoints/sub"]
   try:
-    result = subprocess.run(
-        [*_without_permission_bypass(), sys.executable,
-         str(Path(__file__).resolve().parents[1] / "migration" /
-             "migrate_runs.py"), f"--source-glob={pattern}",
-         "--destination-root=orbax", "--dry-run"],
-        cwd=tmp_path, capture_output=True, text=True, check=False,
-        timeout=120)
+    for path in closed:
+      (tmp_path / path).chmod(0o000)
+    result = _fleet_without_permission_bypass(tmp_path,
+                                              f"--source-glob={pattern}")
+    (tmp_path / "runs").chmod(0o000)
+    top = _fleet_without_permission_bypass(tmp_path,
+                                           f"--source-glob={pattern}")
   finally:
-    for closed in ("runs/p1", "runs/deep"):
-      (tmp_path / closed).chmod(0o755)
+    for path in ["runs", *closed]:
+      (tmp_path / path).chmod(0o755)
   assert result.returncode == 1, result
   lines = result.stdout.splitlines()
-  for closed in ("runs/p1", "runs/deep"):
-    assert (f"cannot migrate {closed}: cannot list: Permission denied (runs "
+  for path in closed[:2]:
+    assert (f"cannot migrate {path}: cannot list: Permission denied (runs "
             f"below it that {pattern} would match cannot be seen)") in lines
   assert ("would migrate runs/ok/checkpoints -> orbax/ok/checkpoints "
           "(Checkpoint, 4.8 KiB)") in lines
+  inside = [l for l in lines if l.startswith(("cannot migrate runs/in/",
+                                              "would migrate runs/in/"))]
+  assert inside == ([
+      "cannot migrate runs/in/checkpoints: cannot list "
+      "runs/in/checkpoints/sub: Permission denied (runs below it that "
+      f"{pattern} would match cannot be seen)"] if "**" in pattern else [
+          "would migrate runs/in/checkpoints -> orbax/in/checkpoints "
+          "(Checkpoint, 4.8 KiB)"])
+  assert top.returncode == 2, top
+  assert f"--source-glob '{pattern}': runs: cannot list: Permission denied" in (
+      top.stderr)
