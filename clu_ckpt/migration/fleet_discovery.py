@@ -11,14 +11,18 @@ Synopsis::
   for s in plan.skipped:       # Skipped(path, reason, glob)
     print("skipped", s.path, s.reason)
 
-Every path a glob matches is a run or is skipped with its reason (an empty
-directory, not a checkpoint directory, a host directory of a run listed as
-its base). A `MultihostCheckpoint` keeps its hosts in `<base>-<int>`
-directories: a glob or path naming `<base>` covers them, and a glob
-matching them covers their `<base>` (when `<base>-0` is a checkpoint
-directory). One function, `classify`, says what a directory is from its
-listing. A glob that matches nothing is an error naming it. In a bucket,
-each glob costs one listing.
+Every path a glob matches, every `<base>-<int>` a matched base implies,
+and every directory under the glob the walk cannot list or enter is a run
+(an error when it cannot be migrated as found) or is skipped with its
+reason (an empty directory, not a checkpoint directory, a host directory
+of a run listed as its base). A `MultihostCheckpoint` keeps its hosts in
+`<base>-<int>` directories: a glob or path naming `<base>` covers them
+(host 0 missing, a host empty or not CLU's: the run's error), and a glob
+matching them only covers their `<base>` (one matching `<base>` and
+`<base>-<int>` alike cannot tell hosts from runs named so: an error). One
+function, `classify`, says what a directory is from its listing. A glob
+that matches nothing is an error naming it. In a bucket, each glob costs
+one listing.
 
 Paths are compared normalized (`normalize_path`): local paths by
 `os.path.normpath` (relative paths stay relative, as the operator typed
