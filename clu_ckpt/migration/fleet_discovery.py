@@ -285,8 +285,8 @@ def _flax_prefixes(path: str, entries: Mapping[str, int]) -> list[str]:
   prefixes = set()
   for name, size in entries.items():
     m = _FLAX_NAME_RE.match(name)
-    if m is None or size <= 0 or m.group("prefix").endswith("-"):
-      continue
+    if m is None or size <= 0 or m.group("prefix").endswith(("-", "tmp")):
+      continue  # `ckpt-7` (CLU's), a Flax temporary file
     file_path = join_path(path, name)
     try:
       head = storage.filesystem(file_path).read_bytes(file_path, 0, 1)
