@@ -974,7 +974,8 @@ def test_host_directories_a_matched_base_implies_end_as_runs_or_errors(
           "migrate"))}
   assert [(s.path, s.reason) for s in plan.skipped] == [
       ("runs/x/checkpoints-0",
-       "empty directory (a runs/x/checkpoints-<N> directory)")]
+       "empty directory (a host directory of runs/x/checkpoints, which "
+       "the glob names)")]
   # Every host directory is a run, a host of one, or skipped: none unseen.
   seen = {s.path for s in plan.skipped} | {
       h for r in plan.runs for h in [r.source, *r.hosts]}

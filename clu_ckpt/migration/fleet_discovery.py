@@ -711,7 +711,8 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
     else:
       reason = _REASONS[kind]
       if path in implied:
-        reason += f" (a {path.rsplit('-', 1)[0]}-<N> directory)"
+        reason += (f" (a host directory of {path.rsplit('-', 1)[0]}, "
+                   "which the glob names)")
       skipped.append(Skipped(path, reason, pattern))
   if explicit and not runs:
     runs.append(Run(explicit, "Checkpoint", error=(
