@@ -958,7 +958,7 @@ def test_host_directories_a_matched_base_implies_end_as_runs_or_errors(
           "host directory runs/b/checkpoints-0 missing (found hosts 1): "
           "restore it, or migrate the hosts found with clu-ckpt migrate")),
       "runs/c/checkpoints": ("Checkpoint", None),
-      **{f"runs/c/checkpoints-{h}": ("clu", (
+      **{f"runs/c/checkpoints-{h}": ("Checkpoint", (
           "beside runs/c/checkpoints, itself a checkpoint directory: a host "
           "of a MultihostCheckpoint or a run of its own? Name it with "
           "--sources to migrate it as a run of its own, or move "

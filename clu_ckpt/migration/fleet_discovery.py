@@ -610,7 +610,7 @@ def _plan_hosts(pattern: str, base: str, hosts: Mapping[int, str],
   if _is_run_directory(candidates.get(base)):
     # `<base>` is a run of its own: the directories the pattern matched are
     # runs of their own too; those only its name implies cannot be told.
-    runs = [Run(h, kind, error=(
+    runs = [Run(h, "Checkpoint" if kind == CLU else kind, error=(
         f"beside {base}, itself a checkpoint directory: a host of a "
         "MultihostCheckpoint or a run of its own? Name it with --sources "
         f"to migrate it as a run of its own, or move {base} aside to "
@@ -700,12 +700,12 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
                       nbytes=_size(entries)))
     elif kind == UNLISTABLE:  # likely a run: an error, whoever named it
       runs.append(Run(path, kind, error=f"cannot list: {entries.reason}"))
-    elif kind == OTHER and len(_flax_prefixes(path, entries)) > 1:
-      prefixes = ", ".join(_flax_prefixes(path, entries))
+    elif kind == OTHER and len(prefixes := _flax_prefixes(path,
+                                                          entries)) > 1:
       runs.append(Run(path, FLAX_TRAINING, error=(
-          f"Flax checkpoint files of several prefixes ({prefixes}): "
-          "which is the run's state cannot be told; move each prefix's "
-          "files into a directory of its own")))
+          "Flax checkpoint files of several prefixes "
+          f"({', '.join(prefixes)}): which is the run's state cannot be "
+          "told; move each prefix's files into a directory of its own")))
     elif explicit:
       runs.append(Run(path, kind, error=_REASONS[kind]))
     else:
@@ -736,7 +736,8 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
     is a run is not also skipped).
 
   Raises:
-    UsageError: A glob matched nothing.
+    UsageError: A glob matched nothing, or the directory its walk starts
+      from (or one above it) cannot be listed.
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   sources, globs = map(plain_local, sources), map(plain_local, globs)
