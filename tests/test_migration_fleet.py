@@ -922,7 +922,8 @@ def _golden_run(name, target):
   """A writable copy of golden case `name`'s directory (or host directory
   `name` = "multihost/checkpoints-1") at `target`."""
   import shutil  # pylint: disable=g-import-not-at-top
-  from conftest import golden_case, make_writable  # pylint: disable=g-import-not-at-top
+  from conftest import golden_case  # pylint: disable=g-import-not-at-top
+  from conftest import make_writable  # pylint: disable=g-import-not-at-top
   case, _, sub = name.partition("/")
   shutil.copytree(golden_case(case) / sub, target,
                   ignore=shutil.ignore_patterns("MANIFEST.json"))
