@@ -7,6 +7,7 @@ stock `orbax.checkpoint.CheckpointManager`.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -401,3 +402,22 @@ def test_interrupt_abandons_the_step_and_keeps_the_others(tmp_path,
   assert e.value.remaining == [5]
   assert not [p for p in os.listdir(dst) if "orbax-checkpoint-tmp" in p]
   assert migration.migrate(str(src), str(dst)).ok
+
+
+def test_a_recorded_checkpoint_is_not_written_again_when_the_naming_changes(
+    tmp_path, golden_copy):
+  """Steps named by the state's `step` (300, 400, 500); then ckpt-5 is
+  rewritten with an older state, so that "auto" now names by checkpoint
+  number: the recorded checkpoints keep their steps, none is written again
+  as 3, 4, 5 beside them."""
+  src = golden_copy("single_host")
+  dst = tmp_path / "dst"
+  first = migration.migrate(str(src), str(dst))
+  assert [s.step for s in first.steps] == [300, 400, 500]
+  for suffix in ("flax", "index", "data-00000-of-00001"):
+    shutil.copy(src / f"ckpt-4.{suffix}", src / f"ckpt-5.{suffix}")
+  again = migration.migrate(str(src), str(dst))
+  assert [(s.number, s.step, s.status) for s in again.steps] == [
+      (3, 300, "skipped"), (4, 400, "skipped"), (5, 500, "skipped")]
+  assert sorted(int(n) for n in os.listdir(dst) if n.isdigit()) == [
+      300, 400, 500]
