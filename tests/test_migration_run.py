@@ -421,3 +421,17 @@ def test_a_recorded_checkpoint_is_not_written_again_when_the_naming_changes(
       (3, 300, "skipped"), (4, 400, "skipped"), (5, 500, "skipped")]
   assert sorted(int(n) for n in os.listdir(dst) if n.isdigit()) == [
       300, 400, 500]
+
+
+def test_a_checkpoint_without_its_tensorflow_files_fails_naming_the_index(
+    tmp_path, golden_copy):
+  """Its `.flax` alone would migrate without the iterator state, "ok"."""
+  src = golden_copy("single_host")
+  (src / "ckpt-4.index").unlink()
+  summary = migration.migrate(str(src), str(tmp_path / "dst"))
+  assert [(s.number, s.status) for s in summary.steps] == [
+      (3, "migrated"), (4, "failed"), (5, "migrated")]
+  failed = summary.steps[1]
+  assert failed.error.startswith(f"{src}/ckpt-4.index: missing: checkpoint "
+                                 "ckpt-4 has its .flax but not"), failed.error
+  assert orbax_target.list_steps(str(tmp_path / "dst"))[0] == [300, 500]
