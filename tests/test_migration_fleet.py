@@ -286,6 +286,26 @@ def test_local_glob_is_glob_with_hidden_names(tree):
   assert "runs/link/x/checkpoints" in found
 
 
+def test_links_between_siblings_are_not_walked_around(tmp_path,
+                                                      monkeypatch):
+  """`a/l -> ../b` and `b/l -> ../a`: `**` went `a/l/l/l/...` some 40
+  levels deep (until the system refused), listing 40 names of one run,
+  the last of them "cannot list"; a link to a directory it was reached
+  through is a loop, listed, not entered."""
+  clu_dir(tmp_path, "runs/a/checkpoints")
+  (tmp_path / "runs/b").mkdir()
+  (tmp_path / "runs/a/l").symlink_to("../b")
+  (tmp_path / "runs/b/l").symlink_to("../a")
+  monkeypatch.chdir(tmp_path)
+  unsearched = {}
+  assert fleet_discovery.local_glob("runs/**/checkpoints", unsearched) == [
+      "runs/a/checkpoints", "runs/a/l/l/checkpoints", "runs/b/l/checkpoints"]
+  assert not unsearched
+  plan = fleet_discovery.plan_fleet([], ["runs/**/checkpoints"])
+  assert [(r.source, r.error) for r in plan.runs] == [
+      ("runs/a/checkpoints", None)]
+
+
 def test_a_host_like_directory_beside_a_run_is_a_run(tree):
   """`runs/a/checkpoints` is a run and `runs/a/checkpoints-0` another: a
   glob matching only the latter made it a host of the former, so the former

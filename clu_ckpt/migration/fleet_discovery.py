@@ -438,9 +438,13 @@ def _paths_under(base: str, failed: dict[str, str]) -> list[str]:
       failed[path or os.curdir] = e.strerror or str(e)
 
   found = [base] if os.path.isdir(base or os.curdir) else []
+  # The real paths of the directories a walked directory was reached
+  # through: a link to one of them (or above) is a loop.
+  entered: dict[str, frozenset[str]] = {}
   for top, names, files in os.walk(base or os.curdir, onerror=walk_error,
                                    followlinks=True):
     real_top = os.path.realpath(top)
+    chain = entered.pop(top, frozenset()) | {real_top}
     for name in files:
       path = os.path.join(top, name)
       found.append(path if base else os.path.relpath(path, os.curdir))
@@ -448,9 +452,13 @@ def _paths_under(base: str, failed: dict[str, str]) -> list[str]:
       path = os.path.join(top, name)
       if os.path.islink(path):
         real = os.path.realpath(path)
-        if real == real_top or real_top.startswith(real.rstrip(os.sep) +
-                                                   os.sep):
+        if real in chain or real_top.startswith(real.rstrip(os.sep) +
+                                                os.sep):
           names.remove(name)  # a loop: listed, not entered
+        else:
+          entered[path] = chain
+      else:
+        entered[path] = chain
       found.append(path if base else os.path.relpath(path, os.curdir))
   return found
 
