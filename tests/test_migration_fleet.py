@@ -286,6 +286,23 @@ def test_local_glob_is_glob_with_hidden_names(tree):
   assert "runs/link/x/checkpoints" in found
 
 
+def test_a_padded_number_is_not_a_host(tmp_path, monkeypatch):
+  """`checkpoints-00` beside `checkpoints-0`: both read as host 0, one
+  replaced the other (the wrong one migrated as host 0, the other never
+  mentioned). CLU never pads a host number: `-00` is not a host."""
+  for name in ("checkpoints-0", "checkpoints-1", "checkpoints-00"):
+    clu_dir(tmp_path, f"runs/z/{name}")
+  monkeypatch.chdir(tmp_path)
+  runs, _ = _summary(fleet_discovery.plan_fleet([], ["runs/z/checkpoints"]))
+  assert runs == [("runs/z/checkpoints", "MultihostCheckpoint", _HOSTS,
+                   None)]
+  runs, _ = _summary(fleet_discovery.plan_fleet([],
+                                                ["runs/z/checkpoints-*"]))
+  assert runs == [
+      ("runs/z/checkpoints", "MultihostCheckpoint", _HOSTS, None),
+      ("runs/z/checkpoints-00", "Checkpoint", [], None)]
+
+
 def test_links_between_siblings_are_not_walked_around(tmp_path,
                                                       monkeypatch):
   """`a/l -> ../b` and `b/l -> ../a`: `**` went `a/l/l/l/...` some 40

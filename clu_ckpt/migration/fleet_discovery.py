@@ -41,7 +41,8 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from clu_ckpt.errors import UsageError
 
-_HOST_DIR_RE = re.compile(r"^(?P<base>.+)-(?P<host>\d+)$")
+# CLU names a host's directory `<base>-<host_id>`, the number unpadded.
+_HOST_DIR_RE = re.compile(r"^(?P<base>.+)-(?P<host>0|[1-9]\d*)$")
 _URL_RE = re.compile(r"^[a-z][a-z0-9.+-]*://", re.I)
 # Flax's own `flax.training.checkpoints` layout: `checkpoint_<step>` files.
 _FLAX_TRAINING_RE = re.compile(r"^checkpoint_\d+$")
