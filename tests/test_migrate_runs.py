@@ -606,3 +606,71 @@ def test_a_killed_fleet_leaves_the_report_of_what_finished(tmp_path):
   while _workers_in(tmp_path):
     assert time.monotonic() < deadline, "the worker outlived the fleet"
     time.sleep(0.1)
+
+
+def _bytes_named_fleet(tmp_path):
+  """runs/ok and runs/b"bad\\xff": real CLU runs; the second's name (as
+  Python lists it: "bad\\udcff")."""
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  bad = os.fsdecode(b"bad\xff")
+  for name in ("ok", "other"):
+    checkpoint.Checkpoint(str(tmp_path / "runs" / name)).save(
+        example_state(1))
+  os.rename(tmp_path / "runs" / "other", tmp_path / "runs" / bad)
+  return bad
+
+
+def _strict_script(*args, cwd):
+  """`_script` with an output that refuses what is not UTF-8 (a UTF-8
+  locale's; C.UTF-8 would pass the bytes)."""
+  return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(_environment(),
+                                 PYTHONIOENCODING="utf-8:strict"))
+
+
+def test_a_dry_run_names_a_run_not_utf8_escaped(tmp_path):
+  """Its plan (shards hash the name's bytes) and lines name it `\\xff`."""
+  clu_dir(tmp_path, "runs/ok")
+  clu_dir(tmp_path, os.fsdecode(b"runs/bad\xff"))
+  run = _strict_script("--source-glob=runs/*", "--destination-root=orbax",
+                       "--num-shards=2", "--shard-index=0", "--dry-run",
+                       cwd=tmp_path)
+  other = _strict_script("--source-glob=runs/*", "--destination-root=orbax",
+                         "--num-shards=2", "--shard-index=1", "--dry-run",
+                         cwd=tmp_path)
+  assert not run.stderr and not other.stderr, run.stderr + other.stderr
+  lines = run.stdout.splitlines() + other.stdout.splitlines()
+  assert [l for l in lines if "bad" in l] == [
+      "cannot migrate runs/bad\\xff: its destination orbax/bad\\xff is not "
+      "valid UTF-8 (the source's name holds bytes that are not): Orbax's "
+      "TensorStore writes UTF-8 names only; rename the source and migrate it "
+      "again"], lines
+  assert "would migrate runs/ok -> orbax/ok (Checkpoint, " in run.stdout + (
+      other.stdout)
+
+
+@pytest.mark.thorough
+def test_a_run_named_in_bytes_not_utf8_is_an_error_naming_it(tmp_path):
+  """The fleet goes on with the others; that run is an error naming it,
+  escaped (`\\xff` in the lines, the surrogate `\\udcff` in the JSON
+  report, from which `os.fsencode` gives the bytes back), even where the
+  output refuses what is not UTF-8."""
+  bad = _bytes_named_fleet(tmp_path)
+  run = _strict_script("--source-glob=runs/*", "--destination-root=orbax",
+                       "--report=report.json", "--parallelism=1",
+                       cwd=tmp_path)
+  assert run.returncode == 1 and not run.stderr, run.stderr
+  text = (tmp_path / "report.json").read_text()
+  assert "runs/bad\\udcff" in text  # the JSON escape of the surrogate
+  runs = {r["source"]: r for r in json.loads(text)["runs"]}
+  assert sorted(runs) == [f"runs/{bad}", "runs/ok"]
+  assert os.fsencode(runs[f"runs/{bad}"]["source"]) == b"runs/bad\xff"
+  assert runs[f"runs/{bad}"]["status"] == "error"
+  assert "not valid UTF-8" in runs[f"runs/{bad}"]["error"]
+  assert runs["runs/ok"]["status"] == "ok"
+  assert (tmp_path / "orbax" / "ok" / "1").is_dir()
+  assert not (tmp_path / "orbax" / bad).exists()
+  assert re.search(r"\] runs/bad\\xff error \(0 s\): its destination "
+                   r"orbax/bad\\xff is not valid UTF-8", run.stdout), run.stdout

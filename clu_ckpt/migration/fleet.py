@@ -125,6 +125,7 @@ from clu_ckpt.migration.fleet_report import load_report
 from clu_ckpt.migration.fleet_report import merge_reports
 from clu_ckpt.migration.fleet_report import now as _now
 from clu_ckpt.migration.fleet_report import prepare_report
+from clu_ckpt.migration.fleet_report import printable
 from clu_ckpt.migration.fleet_report import ProgressPrinter
 from clu_ckpt.migration.fleet_report import ReportWriter
 from clu_ckpt.migration.fleet_report import SurvivingOutput
@@ -376,6 +377,9 @@ class _Shard:
                               sources)
     plan = plan_fleet(sources, args.source_glob)
     assign_destinations(plan.runs, root, args.destination_root)
+    for run in plan.runs:
+      if run.error is None:
+        run.error = _unwritable_name(run.destination)
     mine = set(shard_sources([r.source for r in plan.runs], self.num_shards,
                              self.shard_index))
     return plan, [r for r in plan.runs if r.source in mine], root
@@ -406,6 +410,20 @@ class _Shard:
     }
 
 
+def _unwritable_name(destination: str) -> Optional[str]:
+  """Why a run cannot be migrated into `destination`: a name that is not
+  UTF-8 (its source's, under a local file system), which TensorStore cannot
+  write; None when it can."""
+  try:
+    destination.encode("utf-8")
+  except UnicodeEncodeError:
+    return (f"its destination {printable(destination)} is not valid UTF-8 "
+            "(the source's name holds bytes that are not): Orbax's "
+            "TensorStore writes UTF-8 names only; rename the source and "
+            "migrate it again")
+  return None
+
+
 def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
                dry_run: bool) -> None:
   """Prints the skipped paths, and the runs on a dry run.
@@ -426,7 +444,7 @@ def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
     if not dry_run and s.reason.startswith(HOST_REASON):
       host_dirs += 1
     else:
-      print(f"skipped {s.path}: {s.reason}", file=out)
+      print(printable(f"skipped {s.path}: {s.reason}"), file=out)
   if host_dirs:
     plural = "y" if host_dirs == 1 else "ies"
     print(f"skipped {host_dirs} host director{plural} of the runs listed "
@@ -435,11 +453,12 @@ def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
     return
   for run in runs:
     if run.error:
-      print(f"cannot migrate {run.source}: {run.error}", file=out)
+      print(printable(f"cannot migrate {run.source}: {run.error}"), file=out)
       continue
     hosts = f", {len(run.hosts)} hosts" if run.hosts else ""
-    print(f"would migrate {run.source} -> {run.destination} ({run.kind}"
-          f"{hosts}, {format_bytes(run.nbytes)})", file=out)
+    print(printable(f"would migrate {run.source} -> {run.destination} "
+                    f"({run.kind}{hosts}, {format_bytes(run.nbytes)})"),
+          file=out)
 
 
 def run_shard(args: argparse.Namespace, options: Mapping[str, Any],

@@ -83,6 +83,25 @@ def format_seconds(seconds: float) -> str:
       f"{minutes // 60} h {minutes % 60} min")
 
 
+def printable(text: str) -> str:
+  r"""`text` as a line can show it: a name's bytes that are not UTF-8 escaped.
+
+  A local name that is not UTF-8 reaches Python holding those bytes as
+  surrogates ("bad\udcff" for the bytes b"bad\xff"), which a UTF-8 output
+  refuses. Lines show each such byte as `\xNN`; the JSON report keeps the
+  surrogate, escaped as `\udcNN` (`os.fsencode` gives the bytes back).
+
+  Args:
+    text: A path or a message naming one.
+
+  Returns:
+    E.g. "/runs/bad\\xff" for "/runs/bad\udcff"; `text` itself when it is
+    valid UTF-8.
+  """
+  return text.encode("utf-8", "surrogateescape").decode("utf-8",
+                                                         "backslashreplace")
+
+
 def describe_run(entry: Mapping[str, Any]) -> str:
   """A finished run in one line.
 
@@ -97,7 +116,8 @@ def describe_run(entry: Mapping[str, Any]) -> str:
   details.append(format_seconds(entry.get("seconds", 0)))
   note = entry.get("error") or entry.get("warning")
   note = f": {note}" if note else ""
-  return f"{entry['source']} {entry['status']} ({', '.join(details)}){note}"
+  return printable(
+      f"{entry['source']} {entry['status']} ({', '.join(details)}){note}")
 
 
 def _step_details(steps: Optional[Sequence[Mapping[str, Any]]]) -> list[str]:
@@ -204,9 +224,17 @@ class SurvivingOutput:
     self.lost = False
 
   def write(self, text: str) -> int:
-    """Writes `text`, or drops it once the stream is gone."""
+    """Writes `text` (names that are not UTF-8 escaped, `printable`), or
+    drops it once the stream is gone."""
     try:
-      return self._stream.write(text)
+      try:
+        return self._stream.write(text)
+      except UnicodeEncodeError:  # nothing was written: the text is encoded
+        try:                      # before it is written
+          return self._stream.write(printable(text))
+        except UnicodeEncodeError:  # an ASCII stream
+          return self._stream.write(printable(text).encode(
+              "ascii", "backslashreplace").decode("ascii"))
     except OSError:
       self._lose()
       return len(text)
