@@ -120,7 +120,10 @@ from clu_ckpt.migration.fleet_discovery import Run
 from clu_ckpt.migration.fleet_report import count_statuses
 from clu_ckpt.migration.fleet_report import sources_to_keep
 from clu_ckpt.migration.fleet_report import FINISHED
+from clu_ckpt.migration.fleet_report import MISSING
 from clu_ckpt.migration.fleet_report import format_bytes
+from clu_ckpt.migration.fleet_report import launch_identity
+from clu_ckpt.migration.fleet_report import LAUNCH_ENV
 from clu_ckpt.migration.fleet_report import load_report
 from clu_ckpt.migration.fleet_report import merge_reports
 from clu_ckpt.migration.fleet_report import now as _now
@@ -212,6 +215,11 @@ def build_parser(prog: str = PROG
   fleet.add_argument("--report", metavar="FILE",
                      help="the JSON report (default migration_report.json, "
                      "or migration_report-<I>-of-<N>.json for a shard)")
+  fleet.add_argument("--launch-id", metavar="ID",
+                     default=os.environ.get(LAUNCH_ENV) or None,
+                     help="names this launch of a sharded fleet, the same on "
+                     "every shard (default ${LAUNCH_ENV}); --merge-reports "
+                     "merges the reports of one launch only")
   fleet.add_argument("--merge-reports", metavar="OUT",
                      help="migrate nothing: merge the reports given as "
                      "arguments into OUT")
@@ -290,11 +298,23 @@ def run_merge(args: argparse.Namespace) -> int:
   prepare_report(args.merge_reports, "--merge-reports")
   merged = merge_reports([(p, load_report(p)) for p in args.reports])
   write_report(args.merge_reports, merged)
+  for stale in merged["stale_reports"]:
+    print(printable(f"not merged: {stale['report']}: {stale['reason']}"),
+          flush=True)
+  absent = [r["source"] for r in merged["runs"] if r["status"] == MISSING]
+  if absent:
+    shown = ", ".join(absent[:5]) + (f" and {len(absent) - 5} more"
+                                     if len(absent) > 5 else "")
+    print(printable(f"{len(absent)} run(s) of the fleet in no report of this "
+                    f"launch, not migrated: {shown}"), flush=True)
   counts = merged["counts"]
   others = "".join(f", {n} {s}" for s, n in counts.items()
                    if s not in FINISHED)
   missing = (f"; shards missing: {merged['missing_shards']}"
              if merged["missing_shards"] else "")
+  if merged["stale_reports"]:
+    missing += (f"; {len(merged['stale_reports'])} report(s) of another "
+                "launch not merged")
   print(f"{len(merged['runs'])} of {merged['fleet_size']} run(s): "
         f"{counts['ok']} ok, {counts['failed']} failed, {counts['error']} "
         f"error{others}{missing}; report: {args.merge_reports}")
@@ -353,6 +373,7 @@ class _Shard:
                                                       shard_index)
     self.entries: dict[str, dict[str, Any]] = {}
     self.created = _now()
+    self.launch: dict[str, Any] = {}
 
   def plan(self) -> tuple[Plan, list[Run], str]:
     """(the fleet's plan, this shard's runs, the source root)."""
@@ -380,6 +401,9 @@ class _Shard:
     for run in plan.runs:
       if run.error is None:
         run.error = _unwritable_name(run.destination)
+    self.launch = launch_identity(
+        args.destination_root, root, self.num_shards, self.options,
+        [r.source for r in plan.runs], args.launch_id)
     mine = set(shard_sources([r.source for r in plan.runs], self.num_shards,
                              self.shard_index))
     return plan, [r for r in plan.runs if r.source in mine], root
@@ -393,12 +417,13 @@ class _Shard:
           "status": "pending"}
       entries.append(dict(entry, shard=self.shard_index, kind=run.kind,
                           source_bytes=run.nbytes))
-    return {
+    report = {
         "created": self.created,
         "updated": _now(),
         "complete": complete,
         "destination_root": self.args.destination_root,
         "source_root": root,
+        "launch": self.launch,
         "fleet_size": len(plan.runs),
         "num_shards": self.num_shards,
         "shard_index": self.shard_index,
@@ -408,6 +433,9 @@ class _Shard:
         "runs": entries,
         "skipped": [dataclasses.asdict(s) for s in plan.skipped],
     }
+    if self.num_shards > 1:  # the whole fleet: what the merge must find
+      report["plan"] = sorted(r.source for r in plan.runs)
+    return report
 
 
 def _unwritable_name(destination: str) -> Optional[str]:
