@@ -821,3 +821,20 @@ def test_a_relaunch_with_a_shard_never_run_is_not_ok(tmp_path):
   runs = {r["source"]: r["status"] for r in merged["runs"]}
   assert runs[f"runs/{new}"] == "missing" and "runs/A" not in runs
   assert not (tmp_path / "orbax" / new).exists()
+
+
+def test_a_merge_takes_no_report_without_a_launch(tmp_path):
+  """A shard report of an earlier version (no "launch"): which launch it
+  is from cannot be told; it is listed as stale, not merged."""
+  _launch(tmp_path, ["A", "B", "C"], [0, 1], 2)
+  path = tmp_path / "reports" / "shard-1.json"
+  old = json.loads(path.read_text())
+  del old["launch"]
+  path.write_text(json.dumps(old))
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged["missing_shards"] == [1] and not merged["complete"]
+  assert [s["report"] for s in merged["stale_reports"]] == [
+      "reports/shard-1.json"]
+  assert "no launch identity" in merged["stale_reports"][0]["reason"]
+  assert done.returncode == 1

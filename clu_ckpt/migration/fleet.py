@@ -67,8 +67,17 @@ fleet), so a killed fleet leaves the report of what finished. It lists every
 run of the shard (source, destination, shard, status "ok", "failed" (some
 checkpoint failed), "error" (the run could not be migrated, or its worker
 died), "interrupted" or "pending", seconds, the migration's summary) and
-every skipped path with its reason. `--merge-reports=OUT REPORT...` merges
-shard reports, partial ones included.
+every skipped path with its reason, the launch (a fingerprint of the
+roots, shard count, options, the fleet's run list and `--launch-id`, which
+every shard computes alike) and, sharded, the fleet's run list.
+`--merge-reports=OUT REPORT...` merges the shard reports (partial ones
+included) of the newest launch: a report of another launch is not merged
+but listed as stale, and makes the merge not ok; so do shards missing, and
+the runs of the fleet no report covers are listed as "missing".
+
+Names: a local name that is not UTF-8 is shown with its bytes escaped
+(`\xff` in the lines, `\udcff` in the JSON report); TensorStore cannot
+write such a destination, so that run is an error naming it.
 
 Stopping: the first Ctrl-C, SIGTERM or SIGHUP (a terminal that hung up)
 starts no new run; the runs under way abandon their current step (nothing

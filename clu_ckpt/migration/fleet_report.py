@@ -522,8 +522,8 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
                   ) -> dict[str, Any]:
   """Merges shard reports of one launch (partial ones too) into one report.
 
-  The launch merged is that of the newest shard report ("created"; a
-  merged report given counts as its shard reports). A report of another
+  The launch merged is that of the newest shard report with a launch
+  identity ("created"; a merged report given counts as its shard reports). A report of another
   launch ("launch": another shard count, run list, options or launch id),
   or without a launch identity, is stale: listed in "stale_reports" with
   why, its runs not merged, and the merged report neither ok nor complete.
@@ -551,7 +551,8 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
     raise UsageError("--merge-reports needs the reports to merge as arguments")
   root = _same_destination_root(reports)
   started = [_started(path, report) for path, report in reports]
-  newest = max(range(len(reports)), key=lambda i: (started[i], i))
+  newest = max(range(len(reports)),
+               key=lambda i: (_has_launch(reports[i][1]), started[i], i))
   current_path, current = reports[newest]
   stale = []
   mine = []
@@ -621,6 +622,11 @@ def _started(path: str, report: Mapping[str, Any]) -> str:
              default="")
 
 
+def _has_launch(report: Mapping[str, Any]) -> bool:
+  launch = report.get("launch")
+  return isinstance(launch, dict) and bool(launch.get("fingerprint"))
+
+
 def _plan(report: Mapping[str, Any]) -> Optional[list[str]]:
   """Every run of the fleet a report's launch planned: its "plan" (sharded
   reports, merged ones), else its runs (unsharded: its runs are the plan);
@@ -646,7 +652,7 @@ def _stale_reason(report: Mapping[str, Any], current: Mapping[str, Any],
   """Why `report` is not of the launch of `current` (the newest report,
   at `current_path`), or None when it is."""
   launch = report.get("launch")
-  if not isinstance(launch, dict) or not launch.get("fingerprint"):
+  if not _has_launch(report):
     return ("no launch identity (written by an earlier version, or not by "
             "the fleet): which launch it is from cannot be told; re-run its "
             "shard")
