@@ -743,6 +743,7 @@ def test_a_merge_takes_no_stale_shard_report_for_a_shard_never_run(tmp_path):
   assert "runs/A" not in runs and merged["fleet_size"] == 6
   assert (f"{len(in_shard_1)} run(s) of the fleet in no report of this "
           "launch, not migrated: ") in done.stdout
+  assert "note: this launch has no --launch-id" in done.stdout
 
 
 def test_a_merge_with_mixed_shard_counts_still_finds_missing_shards(tmp_path):
@@ -779,6 +780,7 @@ def test_a_merge_tells_launches_apart_by_their_id(tmp_path):
                         "reports/shard-1.json")
   assert merged["missing_shards"] == [0] and not merged["complete"]
   assert merged["launch"]["id"] == "job-2"
+  assert "no --launch-id" not in done.stdout
   assert [(s["report"], s["reason"]) for s in merged["stale_reports"]] == [
       ("reports/shard-0.json", "from another launch than "
        "reports/shard-1.json (the newest): launch id 'job-1', not 'job-2'")]

@@ -316,6 +316,10 @@ def run_merge(args: argparse.Namespace) -> int:
                                      if len(absent) > 5 else "")
     print(printable(f"{len(absent)} run(s) of the fleet in no report of this "
                     f"launch, not migrated: {shown}"), flush=True)
+  if merged["num_shards"] > 1 and not (merged["launch"] or {}).get("id"):
+    print("note: this launch has no --launch-id: a report of an earlier "
+          "launch identical to it (same runs, shard count and options) "
+          "would pass as its own", flush=True)
   counts = merged["counts"]
   others = "".join(f", {n} {s}" for s, n in counts.items()
                    if s not in FINISHED)
