@@ -20,7 +20,10 @@ migration summary, and every skipped path with its reason; "complete" is
 true once the shard ended without being stopped. It is written atomically
 after every finished run (`ReportWriter` bounds what that costs a huge
 fleet), so a killed fleet leaves a report of what finished;
-`merge_reports` accepts such partial reports.
+`merge_reports` accepts such partial reports. Each report records its
+launch (`launch_identity`, the same on every shard of one launch);
+`merge_reports` merges one launch, lists the reports of others as stale
+and the runs of its fleet no report covers as "missing".
 
 Progress: one line per finished run, in binary units, e.g.
 `[3/12] /runs/a/checkpoints ok (4 steps, 1.2 GiB, 35 s); 3.4 GiB of 9.0 GiB,
@@ -523,10 +526,11 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
   """Merges shard reports of one launch (partial ones too) into one report.
 
   The launch merged is that of the newest shard report with a launch
-  identity ("created"; a merged report given counts as its shard reports). A report of another
-  launch ("launch": another shard count, run list, options or launch id),
-  or without a launch identity, is stale: listed in "stale_reports" with
-  why, its runs not merged, and the merged report neither ok nor complete.
+  identity ("created"; a merged report given counts as its shard
+  reports). A report of another launch ("launch": another shard count, run
+  list, options or launch id), or without a launch identity, is stale:
+  listed in "stale_reports" with why, its runs not merged, and the merged
+  report neither ok nor complete.
 
   Args:
     reports: (path, report) pairs. When a source is in several, a finished
