@@ -464,3 +464,58 @@ def test_a_large_object_is_read_by_ranges_in_a_block(bucket, monkeypatch):
     assert bucket.read_bytes(url, 2, 3) == b"234"
     assert bucket.read_bytes(url, 2, 3) == b"234"
   assert bucket.store.reads == [("bk/run/ckpt-1.flax", 2, 5)] * 2
+
+
+def test_an_empty_object_is_kept_and_a_spool_of_it_asks_nothing(bucket):
+  url = _put(bucket, "run/empty", b"")
+  with bucket_cache.object_cache("gs://bk/run"):
+    spool = bucket.spool(url)  # its size is known: nothing to download
+    assert spool.size == 0 and bytes(spool.map) == b""
+    assert bucket.store.reads == []
+    assert bucket_cache.cached_object(url) is None
+    for _ in range(2):  # read whole once, then kept (0 bytes is its size)
+      assert bucket.read_bytes(url) == b""
+    assert bucket.store.reads == [("bk/run/empty", None, None)]
+    assert bucket_cache.cached_object(url)[1] == b""
+
+
+def test_a_write_or_removal_forgets_that_object_not_those_under_its_name(
+    bucket):
+  url = _put(bucket, "run/a", b"object")
+  _put(bucket, "run/b", b"b")  # the bucket stays when `a` goes
+  under = "gs://bk/run/a/x"  # (the memory store cannot hold both: kept only)
+
+  def write():
+    with bucket.atomic_writer(url) as write_:
+      write_(b"new")
+  with bucket_cache.object_cache("gs://bk/run"):
+    bucket_cache.keep_object(under, {"size": 5}, b"under")
+    for change in (lambda: bucket.remove(url),
+                   lambda: bucket.create_exclusive(url, b"again"), write):
+      if bucket.exists(url):
+        assert bucket.read_bytes(url)
+        assert bucket_cache.cached_object(url) is not None
+      change()
+      assert bucket_cache.cached_object(url) is None
+      assert bucket_cache.cached_object(under) == ({"size": 5}, b"under")
+
+
+@pytest.mark.parametrize("failure", ["removed", "unavailable"])
+def test_a_whole_download_that_fails_names_the_object(bucket, failure):
+  url = _put(bucket, "run/a", b"abc")
+
+  class HttpError(Exception):  # what gcsfs raises for a 5xx after retries
+    code = 503
+  HttpError.__module__ = "gcsfs.retry"
+  with bucket_cache.metadata_cache(), bucket_cache.object_cache("gs://bk/run"):
+    assert bucket.stat(url)[0] == 3  # the metadata kept: the next is the read
+    if failure == "removed":  # by another process, after its size was taken
+      memory.MemoryFileSystem.rm_file(bucket.store, "bk/run/a")
+    else:
+      bucket.store.fail = HttpError("Service Unavailable")
+    with pytest.raises(OSError) as raised:
+      bucket.read_bytes(url)
+  assert raised.value.filename == url
+  assert type(raised.value) is (
+      FileNotFoundError if failure == "removed" else OSError)
+  assert bucket.store.reads == [("bk/run/a", None, None)]
