@@ -519,3 +519,30 @@ def test_a_whole_download_that_fails_names_the_object(bucket, failure):
   assert type(raised.value) is (
       FileNotFoundError if failure == "removed" else OSError)
   assert bucket.store.reads == [("bk/run/a", None, None)]
+
+
+def test_each_object_has_its_own_copy_whatever_it_ends_with(bucket):
+  names = ("run/a", "run/aX", "run/a ", "run/a\t", "run/XaX")
+  urls = {name: _put(bucket, name, name.encode()) for name in names}
+  with bucket_cache.object_cache("gs://bk/run"):
+    for _ in range(2):
+      for name, url in urls.items():
+        assert bucket.read_bytes(url) == name.encode(), url
+        assert bucket_cache.cached_object(url)[1] == name.encode(), url
+  assert len(bucket.store.reads) == len(names)  # each downloaded once
+
+
+def test_removing_a_tree_named_with_a_slash_forgets_its_placeholder(bucket):
+  url = _put(bucket, "run/a", b"placeholder")  # an object named like the tree
+  _put(bucket, "run/b", b"b")
+  with bucket_cache.object_cache("gs://bk/run"):
+    assert bucket.read_bytes(url) == b"placeholder"
+    bucket.remove_tree("gs://bk/run/a/")
+    with pytest.raises(FileNotFoundError) as missing:
+      bucket.read_bytes(url)
+    assert missing.value.filename == url
+    _put(bucket, "run/a", b"new")  # another process writes it again
+    assert bucket.read_bytes(url) == b"new"  # kept
+    with bucket.atomic_writer("gs://bk/run/a/") as write:  # spelt with a /
+      write(b"ours")
+    assert bucket.read_bytes(url) == b"ours"
