@@ -259,3 +259,91 @@ def test_a_glob_names_the_directory_before_its_first_wildcard():
   # A wildcard in the bucket's name: the pattern itself.
   assert searched("gs://b*/run") == "gs://b*/run"
   assert searched("gs://*") == "gs://*"
+
+
+@pytest.fixture
+def scripted_port():
+  """An HTTP server answering with the statuses in `script`, in turn.
+
+  Yields:
+    (port, script, hits, hold): `script` a list to fill with statuses (an
+    empty list: 200 to everything), `hits` the paths asked, `hold` an Event
+    each answer waits for (set: no wait).
+  """
+  script, hits = [], []
+  hold = threading.Event()
+  hold.set()
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+
+    def do_GET(self):  # pylint: disable=invalid-name
+      hits.append(self.path)
+      assert hold.wait(30)
+      status = script.pop(0) if script else 200
+      body = b"data" if status == 200 else (
+          b'{"error": {"code": %d, "message": "busy"}}' % status)
+      self.send_response(status)
+      self.send_header("Content-Type", "application/octet-stream"
+                       if status == 200 else "application/json")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  yield server.server_address[1], script, hits, hold
+  hold.set()
+  server.shutdown()
+  server.server_close()
+
+
+@pytest.mark.parametrize("first", [200, 503])
+def test_a_gcs_store_retries_as_gcsfs_does_from_its_first_answer(
+    first, scripted_port, monkeypatch):
+  port, script, hits, _ = scripted_port
+  _store_env(monkeypatch, f"http://127.0.0.1:{port}")
+  client = fsspec_fs.FsspecFileSystem("gs").fs
+  # The first answer, a success or an error status: no retry of it.
+  script.extend([first, 503, 200])
+  if first == 200:
+    assert client.cat_file("bucket/x") == b"data"
+  else:
+    with pytest.raises(Exception) as raised:  # gcsfs' HttpError
+      client.cat_file("bucket/x")
+    assert bucket_client.status_of(raised.value) == 503
+  assert len(hits) == 1 and client._answered  # pylint: disable=protected-access
+  # From then on gcsfs' own retries: a 503 is asked again (after ~1-2 s).
+  assert client.cat_file("bucket/x") == b"data"
+  assert len(hits) == 3, hits
+
+
+def test_a_gcs_first_contact_has_short_timeouts_then_the_clients_own(
+    scripted_port, monkeypatch):
+  import aiohttp  # pylint: disable=g-import-not-at-top
+  port, _, hits, hold = scripted_port
+  _store_env(monkeypatch, f"http://127.0.0.1:{port}")
+  monkeypatch.setattr(bucket_client, "FIRST_CONTACT_SECONDS", 6.0)
+  client = bucket_client.FirstContactGCSFileSystem(
+      token="anon", skip_instance_cache=True, requests_timeout=77)
+  hold.clear()  # the store's answer waits while the request is looked at
+  got = []
+  reader = threading.Thread(target=lambda: got.append(
+      client.cat_file("bucket/x")))
+  reader.start()
+  try:
+    deadline = time.monotonic() + 30
+    while not hits and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert hits, "the request never arrived"
+    # Half the deadline to connect, the deadline to read, no total.
+    assert client.requests_timeout == aiohttp.ClientTimeout(
+        total=None, sock_connect=3.0, sock_read=6.0)
+  finally:
+    hold.set()
+    reader.join(30)
+  assert got == [b"data"]
+  assert client.requests_timeout == 77  # the client's own again
