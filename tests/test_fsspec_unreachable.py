@@ -122,6 +122,27 @@ def test_a_refusing_store_fails_in_one_line_in_seconds(scheme):
   assert seconds < 20, seconds
 
 
+def _in_thread(call, seconds):
+  """What `call()` raised (None if it returned), failing if it takes longer
+  than `seconds`: a hang fails the test that saw it, by name, in time (the
+  thread is left to the fixture's teardown, which closes the connection)."""
+  outcome = []
+
+  def run():
+    try:
+      call()
+      outcome.append(None)
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome.append(e)
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    pytest.fail(f"still waiting for the store after {seconds} s: the first "
+                "contact is not bounded")
+  return outcome[0]
+
+
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
 def test_a_silent_store_gets_one_bounded_try(scheme, silent_port, monkeypatch):
   port, connections = silent_port
@@ -131,11 +152,11 @@ def test_a_silent_store_gets_one_bounded_try(scheme, silent_port, monkeypatch):
   monkeypatch.setattr(bucket_client, "FIRST_CONTACT_SECONDS", 3.0)
   fs = fsspec_fs.FsspecFileSystem(scheme)
   started = time.monotonic()
-  with pytest.raises(fsspec_fs.StoreUnreachableError) as raised:
-    fs.listdir(f"{scheme}://bucket/run1")
+  raised = _in_thread(lambda: fs.listdir(f"{scheme}://bucket/run1"), 30)
   seconds = time.monotonic() - started
-  assert raised.value.filename == f"{scheme}://bucket/run1"
-  assert "no answer from the store at http://127.0.0.1:" in str(raised.value)
+  assert isinstance(raised, fsspec_fs.StoreUnreachableError), raised
+  assert raised.filename == f"{scheme}://bucket/run1"
+  assert "no answer from the store at http://127.0.0.1:" in str(raised)
   # 3 s to answer, plus the client's own set-up (its first session, an
   # import) on a loaded machine; the clients alone wait 5 minutes.
   assert seconds < 30, seconds
