@@ -9,6 +9,7 @@ answered from the cache. The emulator tests of the same paths are in
 """
 
 import collections
+import os
 import threading
 
 import pytest
@@ -546,3 +547,47 @@ def test_removing_a_tree_named_with_a_slash_forgets_its_placeholder(bucket):
     with bucket.atomic_writer("gs://bk/run/a/") as write:  # spelt with a /
       write(b"ours")
     assert bucket.read_bytes(url) == b"ours"
+
+
+def test_a_large_objects_ranges_are_fetched_without_asking_for_it_whole(
+    bucket, monkeypatch, tmp_path):
+  monkeypatch.setattr(bucket_cache, "SMALL_OBJECT_BYTES", 8)
+  url = _put(bucket, "run/ckpt-1.flax", b"0123456789")
+  with bucket_cache.object_cache("gs://bk/run"), open(
+      tmp_path / "copy", "w+b") as f:
+    f.truncate(10)
+    assert bucket.fetch_into(url, f.fileno(), [(2, 5)], 10) == 1
+    assert os.pread(f.fileno(), 3, 2) == b"234"
+  # One ranged read: neither its metadata nor the whole object asked for.
+  assert bucket.store.calls == {"cat_file": 1}, bucket.store.calls
+  assert bucket.store.reads == [("bk/run/ckpt-1.flax", 2, 5)]
+
+
+class _Unavailable(Exception):  # what gcsfs raises for a 5xx after retries
+  code = 503
+
+
+_Unavailable.__module__ = "gcsfs.retry"
+
+
+def test_a_ranged_fetch_or_a_time_asked_that_fails_names_the_object(
+    bucket, tmp_path, monkeypatch):
+  url = _put(bucket, "run/ckpt-1.flax", b"0123456789")
+  bucket.store.fail = _Unavailable("Service Unavailable")
+  with open(tmp_path / "copy", "w+b") as f, pytest.raises(OSError) as raised:
+    f.truncate(10)
+    bucket.fetch_into(url, f.fileno(), [(2, 5)], 10)
+  assert (type(raised.value), raised.value.filename) == (OSError, url)
+  # The memory store's metadata has no time: stat asks for it separately.
+  with bucket_cache.metadata_cache():
+    assert bucket.stat(url)[0] == 10
+    asked = []
+
+    def modified(path):
+      asked.append(path)
+      raise _Unavailable("Service Unavailable")
+    monkeypatch.setattr(bucket.store, "modified", modified)
+    with pytest.raises(OSError) as raised:
+      bucket.stat(url)  # the metadata kept: the time is what is asked
+  assert (type(raised.value), raised.value.filename) == (OSError, url)
+  assert asked == ["bk/run/ckpt-1.flax"]
