@@ -177,8 +177,16 @@ def test_once_the_store_answered_its_client_retries_again(gcs):
   fs = fsspec_fs.FsspecFileSystem("gs")
   client = fs.fs
   assert not client._answered  # pylint: disable=protected-access
-  assert not fs.exists(f"gs://{gcs.bucket()}/nothing")   # a 404 is an answer
+  bucket = gcs.bucket()
+  assert not fs.exists(f"gs://{bucket}/nothing")   # a 404 is an answer
   assert client._answered  # pylint: disable=protected-access
+  # From then on gcsfs' own request, with all it is given: path parts,
+  # parameters, headers, a body.
+  client.pipe_file(f"{bucket}/run/a", b"0123456789")
+  client.pipe_file(f"{bucket}/run/sub/b", b"b")
+  assert client.cat_file(f"{bucket}/run/a", start=2, end=5) == b"234"
+  assert fs.listdir(f"gs://{bucket}/run") == ["a", "sub"]
+  assert fs.stat(f"gs://{bucket}/run/a")[0] == 10
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
