@@ -189,6 +189,18 @@ def test_once_the_store_answered_its_client_retries_again(gcs):
   assert fs.stat(f"gs://{bucket}/run/a")[0] == 10
 
 
+def test_a_gcs_first_contact_is_made_with_all_it_is_given(gcs):
+  bucket = gcs.bucket()
+  writer = fsspec_fs.FsspecFileSystem("gs").fs
+  writer.pipe_file(f"{bucket}/run/a", b"0123456789")
+  writer.pipe_file(f"{bucket}/run/sub/b", b"b")
+  fresh = fsspec_fs.FsspecFileSystem("gs")
+  assert fresh.listdir(f"gs://{bucket}/run") == ["a", "sub"]  # path parts
+  fresh = fsspec_fs.FsspecFileSystem("gs").fs
+  assert not fresh._answered  # pylint: disable=protected-access
+  assert fresh.cat_file(f"{bucket}/run/a", start=2, end=5) == b"234"  # headers
+
+
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
 def test_the_file_systems_copy_like_fsspecs_own(scheme, monkeypatch):
   # fsspec rebuilds a file system from `__reduce__` (copies, processes that
