@@ -388,3 +388,44 @@ def test_a_gcs_first_contact_has_short_timeouts_then_the_clients_own(
     reader.join(30)
   assert got == [b"data"]
   assert client.requests_timeout == 77  # the client's own again
+
+
+def test_an_s3_first_contact_is_tried_once_by_s3fs(monkeypatch):
+  # A store that answers every request "SlowDown" (503), which s3fs would
+  # try again as a whole (botocore told to make one attempt of each).
+  hits = []
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+
+    def do_GET(self):  # pylint: disable=invalid-name
+      hits.append(self.path)
+      body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown'
+              b'</Code><Message>Please reduce your request rate.</Message>'
+              b'<RequestId>1</RequestId></Error>')
+      self.send_response(503)
+      self.send_header("Content-Type", "application/xml")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    _store_env(monkeypatch, f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    client = fsspec_fs.FsspecFileSystem("s3").fs
+    with pytest.raises(OSError):
+      client.ls("bucket")
+    assert len(hits) == 1, hits
+    assert client._answered  # pylint: disable=protected-access
+    hits.clear()  # answered: s3fs' own retries from now on
+    client.retries = 2  # (5 by default, 2 s of waits)
+    with pytest.raises(OSError):
+      client.ls("bucket")
+    assert len(hits) == 2, hits
+  finally:
+    server.shutdown()
+    server.server_close()
