@@ -25,11 +25,16 @@ _STORE_ENV = ("STORAGE_EMULATOR_HOST", "AWS_ENDPOINT_URL",
               "AWS_ENDPOINT_URL_S3", "TENSORSTORE_GCS_HTTP_URL")
 
 
-def _refusing_port() -> int:
-  """A port on 127.0.0.1 with nothing listening (connections are refused)."""
+@pytest.fixture
+def refusing_port():
+  """A port on 127.0.0.1 with nothing listening (connections are refused).
+
+  The port stays bound (not listening) for the test, so that no other
+  process (an emulator, another test run) can take it meanwhile.
+  """
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    yield s.getsockname()[1]
 
 
 @pytest.fixture
@@ -110,8 +115,8 @@ def _cli(*argv, url):
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
-def test_a_refusing_store_fails_in_one_line_in_seconds(scheme):
-  url = f"http://127.0.0.1:{_refusing_port()}"
+def test_a_refusing_store_fails_in_one_line_in_seconds(scheme, refusing_port):
+  url = f"http://127.0.0.1:{refusing_port}"
   done, seconds = _cli("inspect", f"{scheme}://bucket/run1", url=url)
   assert done.returncode == 1
   lines = done.stderr.strip().splitlines()
@@ -202,10 +207,11 @@ def test_a_gcs_first_contact_is_made_with_all_it_is_given(gcs):
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
-def test_the_file_systems_copy_like_fsspecs_own(scheme, monkeypatch):
+def test_the_file_systems_copy_like_fsspecs_own(scheme, monkeypatch,
+                                                refusing_port):
   # fsspec rebuilds a file system from `__reduce__` (copies, processes that
   # are handed one): the class must be found again by its module and name.
-  _store_env(monkeypatch, f"http://127.0.0.1:{_refusing_port()}")
+  _store_env(monkeypatch, f"http://127.0.0.1:{refusing_port}")
   client = fsspec_fs.FsspecFileSystem(scheme).fs
   duplicate = copy.deepcopy(client)
   assert type(duplicate) is type(client) and not duplicate._answered  # pylint: disable=protected-access
