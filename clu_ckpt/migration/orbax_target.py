@@ -109,6 +109,16 @@ SLICES_IN_FLIGHT = 4
 # are handed over whole (Orbax's own way).
 SLICE_BYTES: Optional[int] = None
 
+# A step for a `gs://` root is written by Orbax to a local staging directory
+# first, then uploaded by many streams at once and committed last as Orbax
+# commits it there (`staging`): on a link with real latency a direct write
+# spends most of its time in sequential round trips (TensorStore's commits
+# of one or two data files at a time, each followed by dependent small
+# requests). Not staged: several JAX processes (each writes its own part
+# of the step), or a staging directory without room for the step. False:
+# always the direct write. Measured: see the README's bucket section.
+STAGE_BUCKET_STEPS = True
+
 # The oldest orbax-checkpoint the migration writes with: its `NumpyHandler`
 # takes `deepcopy_host_arrays` from 0.12.5 on (before, it deep-copies every
 # array: memory grows to the checkpoint's size). Checked once, before a
@@ -275,6 +285,9 @@ class OrbaxTarget(Target):
       it is written, just before Orbax renames it into place (through the
       same `MetadataStore` hook as the commit time, `COMMIT_TIME_API`);
       `clu_ckpt.orbax_layout` fsyncs the step there. None: nothing.
+    staging_dir: For a `gs://` root, the local directory each step is
+      written to before it is uploaded (`staging`, `STAGE_BUCKET_STEPS`);
+      None: `$CLU_CKPT_STAGING_DIR`, else the system's temporary directory.
 
   Raises:
     UsageError: An empty root, an `s3://` root (`check_destination`), or
@@ -285,7 +298,8 @@ class OrbaxTarget(Target):
                inflight_bytes: Optional[int] = None,
                step_prefix: Optional[str] = None,
                step_format_fixed_length: Optional[int] = None,
-               before_commit: Optional[Callable[[str], None]] = None):
+               before_commit: Optional[Callable[[str], None]] = None,
+               staging_dir: Optional[str] = None):
     orbax_root.check_step_naming(step_prefix, step_format_fixed_length)
     self.root = layout.absolute(root)
     check_destination(self.root)
@@ -298,6 +312,12 @@ class OrbaxTarget(Target):
     self.step_prefix = step_prefix
     self.step_format_fixed_length = step_format_fixed_length
     self.before_commit = before_commit
+    self.staging_dir = staging_dir
+    # Staging areas of steps under way (removed again by remove_partial,
+    # once an interrupted write's threads have stopped).
+    self._areas: set[Any] = set()
+    # Whether the last write_step was staged (for tests and benchmarks).
+    self.last_write_staged = False
 
   def step_name(self, step: int) -> str:
     """The name of `step`'s directory under the root."""
@@ -350,27 +370,64 @@ class OrbaxTarget(Target):
     require_orbax()
     commit_nsecs = _commit_nsecs(saved_at)
     self.remove_partial(step)
+    custom = None if custom_metadata is None else dict(custom_metadata)
+    self.last_write_staged = self._stages(items)
     try:
-      self._save(step, items, on_bytes, commit_nsecs,
-                 None if custom_metadata is None else dict(custom_metadata),
-                 standard_state)
+      if self.last_write_staged:
+        self._save_staged(step, items, on_bytes, commit_nsecs, custom,
+                          standard_state)
+      else:
+        self._save(step, items, on_bytes, commit_nsecs, custom,
+                   standard_state)
     except BaseException:
       self.remove_partial(step)
       raise
 
+  def _stages(self, items: Mapping[str, Any]) -> bool:
+    """Whether a step goes through a local staging directory: a `gs://`
+    root, one JAX process, and room for the step's bytes there."""
+    if not STAGE_BUCKET_STEPS or not orbax_root.commits_by_file(self.root):
+      return False
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_count() > 1:
+      return False
+    from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
+    return staging.has_room(self.staging_dir, _tree_nbytes(items))
+
+  def _save_staged(self, step: int, items: Mapping[str, Any],
+                   on_bytes: Callable[[int], None],
+                   commit_nsecs: Optional[int],
+                   custom_metadata: Optional[dict[str, Any]],
+                   standard_state: bool = False) -> None:
+    """Orbax's save into a local staging area, then `staging.upload_step`
+    (every file `staging.upload_streams()` at a time, the step's
+    `commit_success.txt` last, as Orbax commits a step on GCS)."""
+    from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
+    area = staging.StagingArea(self.staging_dir)
+    self._areas.add(area)
+    with area:
+      self._save(step, items, on_bytes, commit_nsecs, custom_metadata,
+                 standard_state, root=area.path)
+      name = self.step_name(step)
+      staging.upload_step(os.path.join(area.path, name),
+                          storage.join(self.root, name))
+    self._areas.discard(area)
+
   def _save(self, step: int, items: Mapping[str, Any],
             on_bytes: Callable[[int], None], commit_nsecs: Optional[int],
             custom_metadata: Optional[dict[str, Any]],
-            standard_state: bool = False) -> None:
+            standard_state: bool = False, root: Optional[str] = None) -> None:
     """Orbax's own atomic save: a temporary name, then a rename.
 
     On GCS Orbax writes under the final name and commits by writing
     `commit_success.txt` (after the commit time): `list_steps` lists only
-    steps that have it.
+    steps that have it. `root`: where to write it (a staging area); None:
+    the target's root.
     """
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     from clu_ckpt.migration import template  # pylint: disable=g-import-not-at-top
-    storage.makedirs(self.root)
+    root = self.root if root is None else root
+    storage.makedirs(root)
     state_handler = (template.standard_state_handler if standard_state else
                      ocp.handlers.PyTreeCheckpointHandler)(
                          use_compression=self.use_compression,
@@ -399,14 +456,16 @@ class OrbaxTarget(Target):
         ocp.handlers.CompositeCheckpointHandler(handler_registry=registry),
         checkpoint_metadata_store=store)
     try:
-      checkpointer.save(self._path(step), args=ocp.args.Composite(**args),
+      from etils import epath  # pylint: disable=g-import-not-at-top
+      checkpointer.save(epath.Path(root) / self.step_name(step),
+                        args=ocp.args.Composite(**args),
                         custom_metadata=custom_metadata)
     finally:
       checkpointer.close()
     if store is not None and not store.committed and _primary_process():
       # Listed with the time of writing (or not fsynced): not what was
       # asked; undo it. (Only the primary process commits.)
-      storage.remove_tree(storage.join(self.root, self.step_name(step)))
+      storage.remove_tree(storage.join(root, self.step_name(step)))
       raise errors.PrivateApiError(
           f"clu_ckpt sets a migrated step's save time through Orbax's "
           f"{COMMIT_TIME_API}, checked against orbax-checkpoint "
@@ -418,6 +477,8 @@ class OrbaxTarget(Target):
     """Removes Orbax's temporary directories of `step`, and on GCS (where
     the step is written under its final name) the step's directory when it
     has no `commit_success.txt`."""
+    for area in list(self._areas):  # a staged write's local files
+      area.remove()
     # Through the storage seam: an entry that is a symlink is unlinked, its
     # target never touched.
     if not storage.isdir(self.root):
@@ -548,6 +609,16 @@ def read_metadata(destination: str, step: int, *,
 # --------------------------------------------------------------------------
 # The step's save time.
 # --------------------------------------------------------------------------
+
+
+def _tree_nbytes(tree: Any) -> int:
+  """The bytes of the arrays in a tree of dicts, lists and arrays."""
+  if isinstance(tree, Mapping):
+    return sum(_tree_nbytes(v) for v in tree.values())
+  if isinstance(tree, (list, tuple)):
+    return sum(_tree_nbytes(v) for v in tree)
+  nbytes = getattr(tree, "nbytes", 0)
+  return nbytes if isinstance(nbytes, int) else 0
 
 
 def _primary_process() -> bool:
