@@ -352,16 +352,50 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   GCS), which lets TensorStore upload a flush as parallel files; `rN`
   read-ahead ranges of N MiB; `sK` K slices of a large array in flight,
   `bM` slices of M MiB (`orbax_target.SLICES_IN_FLIGHT`, `SLICE_BYTES`;
-  b0: arrays handed to TensorStore whole, as before).
+  b0: arrays handed to TensorStore whole, as before); `uN` N files
+  uploaded at once from the staging directory (`staging.UPLOAD_STREAMS`);
+  `aN` N read-ahead ranges in flight (`bucket_spool.READ_AHEAD_STREAMS`);
+  `o0` / `o1` data files uploaded after the step is written / while it is
+  (`staging.OVERLAP`);
+  a final `d`: the direct write, not staged (`orbax_target.
+  STAGE_BUCKET_STEPS = False`). A staged run reports its phases: `write_s`
+  (download and local write), `upload_s` (the upload and commit) and
+  `staged_mib` (the staging disk used).
   """
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
   from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
-  knobs = re.fullmatch(r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?",
-                       window_mib)
+  knobs = re.fullmatch(
+      r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?(?:u(\d+))?(?:o(\d))?(?:a(\d+))?(d?)",
+      window_mib)
   if knobs is None:
-    raise ValueError(f"migrate@{window_mib}: expected W[xF][rN][sK][bM]")
-  window_mib, file_mib, ahead, slices, slice_mib = knobs.groups()
+    raise ValueError(f"migrate@{window_mib}: expected W[xF][rN][sK][bM][uN][d]")
+  (window_mib, file_mib, ahead, slices, slice_mib, uploads, overlap,
+   ahead_streams, direct) = knobs.groups()
+  if ahead_streams:  # `aN`: N read-ahead ranges in flight (bucket_spool)
+    from clu_ckpt import bucket_spool  # pylint: disable=g-import-not-at-top
+    bucket_spool.READ_AHEAD_STREAMS = int(ahead_streams)
+  from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
+  if uploads:
+    staging.UPLOAD_STREAMS = int(uploads)
+  if overlap:
+    staging.OVERLAP = overlap == "1"
+  if direct:
+    orbax_target.STAGE_BUCKET_STEPS = False
+  phases = {}
+  upload_step = staging.upload_step
+
+  def timed_upload(*args, **kwargs):
+    # Called once Orbax has written the step (with OVERLAP, for what the
+    # data files' uploads beside the writing did not send).
+    phases["write_end"] = time.perf_counter()
+    try:
+      phases["staged_bytes"] = upload_step(*args, **kwargs)
+    finally:
+      phases["upload_end"] = time.perf_counter()
+    return phases["staged_bytes"]
+
+  staging.upload_step = timed_upload
   if file_mib:
     orbax_target.REMOTE_DATA_FILE_BYTES = int(file_mib) * 2**20 or None
   if ahead:  # `rN`: the read-ahead's ranges of N MiB (bucket_spool)
@@ -380,8 +414,13 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   failed = [str(r) for r in summary.failed]
   if failed:
     raise RuntimeError(f"migration failed: {failed}")
-  return {"seconds": time.perf_counter() - start,
-          "extra_rss": peak.peak - base, "rss_series": series.points}
+  result = {"seconds": time.perf_counter() - start,
+            "extra_rss": peak.peak - base, "rss_series": series.points}
+  if "write_end" in phases:
+    result.update(write_s=phases["write_end"] - start,
+                  upload_s=phases["upload_end"] - phases["write_end"],
+                  staged_mib=phases.get("staged_bytes", 0) / 2**20)
+  return result
 
 
 _CHILDREN = {"link": _child_link, "ceiling": _child_link,
@@ -658,7 +697,10 @@ def _report(result: dict) -> str:
          else "      ") +
         (f"  {med(method, 'uploads_max'):3.0f}/{med(method, 'uploads_mean', 0):4.1f}"
          f" x {med(method, 'upload_mib', 0):5.1f}"
-         if med(method, "upload_count") else ""))
+         if med(method, "upload_count") else "") +
+        (f"  staged: write {med(method, 'write_s'):5.2f} s + upload "
+         f"{med(method, 'upload_s'):5.2f} s, {med(method, 'staged_mib'):.0f} MiB"
+         if med(method, "write_s") is not None else ""))
   return "\n".join(lines)
 
 

@@ -399,18 +399,26 @@ class OrbaxTarget(Target):
                    commit_nsecs: Optional[int],
                    custom_metadata: Optional[dict[str, Any]],
                    standard_state: bool = False) -> None:
-    """Orbax's save into a local staging area, then `staging.upload_step`
-    (every file `staging.upload_streams()` at a time, the step's
-    `commit_success.txt` last, as Orbax commits a step on GCS)."""
+    """Orbax's save into a local staging area, its data files uploaded as
+    they are written (`staging.StepUploader`, `staging.upload_streams()` at
+    a time), the rest after it, the step's `commit_success.txt` last, as
+    Orbax commits a step on GCS."""
     from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
     area = staging.StagingArea(self.staging_dir)
     self._areas.add(area)
+    name = self.step_name(step)
     with area:
-      self._save(step, items, on_bytes, commit_nsecs, custom_metadata,
-                 standard_state, root=area.path)
-      name = self.step_name(step)
-      staging.upload_step(os.path.join(area.path, name),
-                          storage.join(self.root, name))
+      uploader = staging.StepUploader(area.path, name,
+                                      storage.join(self.root, name))
+      if staging.OVERLAP:
+        uploader.start()
+      try:
+        self._save(step, items, on_bytes, commit_nsecs, custom_metadata,
+                   standard_state, root=area.path)
+        uploader.finish()
+      except BaseException:
+        uploader.abort()
+        raise
     self._areas.discard(area)
 
   def _save(self, step: int, items: Mapping[str, Any],

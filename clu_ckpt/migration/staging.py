@@ -39,6 +39,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import uuid
 from typing import Any, Callable, Optional
 
@@ -55,6 +56,13 @@ STREAMS_ENV = "CLU_CKPT_STAGING_STREAMS"
 # A file up to this size goes up as one request; a larger one as parallel
 # parts the store joins (`storage.atomic_writer`).
 SINGLE_REQUEST_BYTES = 32 * 2**20
+# `StepUploader`: how often it looks for finished data files, and how long a
+# file must keep its size and time to be taken as finished.
+# Whether data files are uploaded while the step is being written
+# (`StepUploader`) or all after it (`upload_step` alone).
+OVERLAP = True
+POLL_SECONDS = 0.1
+SETTLE_SECONDS = 0.3
 # Free space the staging directory must have beyond the step's bytes.
 SPACE_MARGIN_BYTES = 256 * 2**20
 # The subdirectories of a staging directory: PREFIX<pid>-<random>.
@@ -185,38 +193,51 @@ def _files(local_step: str) -> list[str]:
   return sorted(found)
 
 
+class _Missing(Exception):
+  """The local file is not there (renamed or removed by Orbax meanwhile)."""
+
+
 def _put(local: str, url: str, data: Optional[bytes] = None) -> None:
-  """Uploads one local file (or `data`) to `url`."""
-  if data is None:
-    size = os.path.getsize(local)
-  else:
-    size = len(data)
-  if size > SINGLE_REQUEST_BYTES:
-    with open(local, "rb") as f, storage.atomic_writer(url) as write:
-      while True:
-        block = f.read(8 * 2**20)
-        if not block:
-          break
-        write(block)
-    return
-  client = storage.filesystem(url).fs
-  key = url.split("://", 1)[1]
+  """Uploads one local file (or `data`) to `url`.
+
+  Raises:
+    _Missing: `local` is not there.
+    OSError: The upload failed (the message names both).
+  """
   try:
-    if data is not None or size == 0:
-      client.pipe_file(key, data if data is not None else b"")
+    f = None if data is not None else open(local, "rb")
+  except FileNotFoundError as e:
+    raise _Missing(local) from e
+  try:
+    size = len(data) if f is None else os.fstat(f.fileno()).st_size
+    if f is not None and size > SINGLE_REQUEST_BYTES:
+      with storage.atomic_writer(url) as write:
+        while True:
+          block = f.read(8 * 2**20)
+          if not block:
+            break
+          write(block)
       return
-    with open(local, "rb") as f, mmap.mmap(f.fileno(), 0,
-                                           access=mmap.ACCESS_READ) as m:
+    client = storage.filesystem(url).fs
+    key = url.split("://", 1)[1]
+    if f is None or size == 0:
+      client.pipe_file(key, data if f is None else b"")
+      return
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
       client.pipe_file(key, m)
-  except FileNotFoundError:
-    raise
-  except OSError as e:
-    raise OSError(e.errno, f"uploading {local} to {url}: {e}") from e
+  except Exception as e:  # pylint: disable=broad-except
+    raise OSError(f"uploading {local} to {url}: "
+                  f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                  ) from e
+  finally:
+    if f is not None:
+      f.close()
 
 
 def upload_step(local_step: str, url: str, *,
                 streams: Optional[int] = None,
-                on_file: Optional[Callable[[str, int], None]] = None) -> int:
+                on_file: Optional[Callable[[str, int], None]] = None,
+                uploaded: Optional[dict[str, tuple[int, int]]] = None) -> int:
   """Uploads a step Orbax wrote locally; commits it last, as Orbax on GCS.
 
   Every file but the step's `commit_success.txt` goes up first,
@@ -231,9 +252,13 @@ def upload_step(local_step: str, url: str, *,
     url: The step's URL in the bucket (`gs://b/root/<step name>`).
     streams: Files in flight at once; None: `upload_streams()`.
     on_file: Called with (relative name, bytes) as each file arrives.
+    uploaded: Files already uploaded while the step was written
+      (`StepUploader`): relative name -> (size, mtime in ns) of the local
+      file sent. Those unchanged are not sent again; those no longer in
+      the step are removed from the bucket.
 
   Returns:
-    The bytes uploaded.
+    The bytes of the step's files (the staging disk it used).
 
   Raises:
     OSError: A file could not be uploaded (the message names it).
@@ -245,29 +270,169 @@ def upload_step(local_step: str, url: str, *,
     raise FileNotFoundError(2, "the staged step has no commit file",
                             os.path.join(local_step, COMMIT_FILE))
   files.remove(COMMIT_FILE)
+  done = dict(uploaded or {})
+  stats = {n: os.stat(os.path.join(local_step, n)) for n in files}
+  total = sum(st.st_size for st in stats.values())
+  present = {_remote(n) for n in stats}
+  gone = [n for n in done if n not in present]
+  todo = [n for n in files if done.get(_remote(n)) != (
+      stats[n].st_size, stats[n].st_mtime_ns)]
   # Largest first: the long uploads start early, the small ones fill in.
-  files.sort(key=lambda n: -os.path.getsize(os.path.join(local_step, n)))
-  total = 0
+  todo.sort(key=lambda n: -stats[n].st_size)
+  if gone:  # written early, then replaced: not part of the step
+    client = storage.filesystem(url).fs
+    client.rm([f"{url.split('://', 1)[1]}/{n}" for n in gone])
+  _upload_all(local_step, url, todo, width, on_file)
+  _upload_one(local_step, url, COMMIT_FILE, on_file)
+  return total
 
-  def one(name: str) -> int:
-    local = os.path.join(local_step, name)
-    target = f"{url}/{name.replace(os.sep, '/')}"
-    data = None
-    if os.path.basename(name) == COMMIT_FILE:
-      data = _COMMIT_TEXT.format(target.rsplit("/", 1)[0]).encode()
-    _put(local, target, data)
-    size = len(data) if data is not None else os.path.getsize(local)
-    if on_file is not None:
-      on_file(name, size)
-    return size
 
+def _remote(name: str) -> str:
+  """The object name (relative to the step) of a local relative path."""
+  return "/".join(_TMP.sub("", part) for part in name.split(os.sep))
+
+
+# What Orbax appends to the names of directories being written locally.
+_TMP = re.compile(r"\.orbax-checkpoint-tmp.*$")
+
+
+def _upload_one(local_root: str, url: str, name: str,
+                on_file: Optional[Callable[[str, int], None]]) -> int:
+  local = os.path.join(local_root, name)
+  target = f"{url}/{_remote(name)}"
+  data = None
+  if os.path.basename(name) == COMMIT_FILE:
+    data = _COMMIT_TEXT.format(target.rsplit("/", 1)[0]).encode()
+  _put(local, target, data)
+  size = len(data) if data is not None else os.path.getsize(local)
+  if on_file is not None:
+    on_file(name, size)
+  return size
+
+
+def _upload_all(local_root: str, url: str, names: list[str], width: int,
+                on_file: Optional[Callable[[str, int], None]]) -> None:
+  """Uploads `names`, `width` at a time; the first failure is raised once
+  the uploads under way have ended (no more start)."""
+  if not names:
+    return
   pool = concurrent.futures.ThreadPoolExecutor(
       width, thread_name_prefix="clu_ckpt-staged-upload")
   try:
-    futures = [pool.submit(one, name) for name in files]
+    futures = [pool.submit(_upload_one, local_root, url, n, on_file)
+               for n in names]
     for future in concurrent.futures.as_completed(futures):
-      total += future.result()
+      future.result()
   finally:
     pool.shutdown(wait=True, cancel_futures=True)
-  total += one(COMMIT_FILE)
-  return total
+
+
+class StepUploader:
+  """Uploads a step's data files while Orbax is still writing the step.
+
+  OCDBT data files (in a `d/` directory) are written once and never
+  changed: each is sent as soon as it has kept its size and time for
+  `SETTLE_SECONDS`, `streams` at a time, beside the writing. `finish` then
+  sends the rest (and again any file that changed since it was sent; one
+  no longer in the step is removed) and commits the step last
+  (`upload_step`). `abort` stops it; the caller removes the step.
+
+  Args:
+    area: The staging area's directory (Orbax's root there).
+    step_name: The step's directory name.
+    url: The step's URL in the bucket.
+    streams: Files in flight at once; None: `upload_streams()`.
+  """
+
+  def __init__(self, area: str, step_name: str, url: str,
+               streams: Optional[int] = None):
+    self.area, self.step_name, self.url = area, step_name, url.rstrip("/")
+    self._pending: set[str] = set()
+    self.streams = streams or upload_streams()
+    self.uploaded: dict[str, tuple[int, int]] = {}
+    self._seen: dict[str, tuple[int, int]] = {}
+    self._stop = threading.Event()
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        self.streams, thread_name_prefix="clu_ckpt-staged-upload")
+    self._futures: list[concurrent.futures.Future] = []
+    self._thread = threading.Thread(target=self._watch, daemon=True,
+                                    name="clu_ckpt-staged-watch")
+
+  def start(self) -> "StepUploader":
+    self._thread.start()
+    return self
+
+  def _watch(self) -> None:
+    while not self._stop.wait(POLL_SECONDS):
+      try:
+        self._poll()
+      except OSError:  # a directory renamed under the walk: next time
+        pass
+
+  def _poll(self) -> None:
+    now = time.time_ns()
+    for directory, _, names in os.walk(self.area):
+      if os.path.basename(directory) != "d":
+        continue
+      rel_dir = os.path.relpath(directory, self.area)
+      if _TMP.sub("", rel_dir.split(os.sep)[0]) != self.step_name:
+        continue
+      for name in names:
+        if "." in name:  # a lock or temporary file, not a data file
+          continue
+        rel = os.path.join(rel_dir, name)
+        remote = _remote(rel)[len(self.step_name) + 1:]
+        if remote in self.uploaded or remote in self._pending:
+          continue
+        try:
+          st = os.stat(os.path.join(directory, name))
+        except FileNotFoundError:
+          continue
+        key = (st.st_size, st.st_mtime_ns)
+        if (self._seen.get(remote) == key and st.st_size and
+            now - st.st_mtime_ns >= SETTLE_SECONDS * 1e9):
+          self._pending.add(remote)
+          self._futures.append(self._pool.submit(
+              self._send, os.path.join(directory, name), remote, key))
+        self._seen[remote] = key
+
+  def _send(self, local: str, remote: str, key: tuple[int, int]) -> None:
+    # Orbax may have renamed the temporary directories since: the file is
+    # then under the step's final name (if neither, `finish` decides).
+    final = os.path.join(self.area, self.step_name, *remote.split("/"))
+    for path in (local, final):
+      try:
+        _put(path, f"{self.url}/{remote}")
+      except _Missing:
+        continue
+      self.uploaded[remote] = key
+      return
+
+  def finish(self) -> int:
+    """Stops watching, waits for the uploads under way, sends the rest and
+    commits the step (`upload_step`).
+
+    Returns:
+      The bytes of the step's files.
+
+    Raises:
+      OSError: A file could not be uploaded.
+    """
+    self._stop_watching()
+    try:
+      for future in self._futures:
+        future.result()
+    finally:
+      self._pool.shutdown(wait=True, cancel_futures=True)
+    return upload_step(os.path.join(self.area, self.step_name), self.url,
+                       streams=self.streams, uploaded=self.uploaded)
+
+  def abort(self) -> None:
+    """Stops watching and uploading (the uploads under way end first)."""
+    self._stop_watching()
+    self._pool.shutdown(wait=True, cancel_futures=True)
+
+  def _stop_watching(self) -> None:
+    self._stop.set()
+    if self._thread.is_alive():
+      self._thread.join()
