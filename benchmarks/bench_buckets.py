@@ -354,7 +354,10 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   `bM` slices of M MiB (`orbax_target.SLICES_IN_FLIGHT`, `SLICE_BYTES`;
   b0: arrays handed to TensorStore whole, as before); `uN` N files
   uploaded at once from the staging directory (`staging.UPLOAD_STREAMS`);
-  `aN` N read-ahead ranges in flight (`bucket_spool.READ_AHEAD_STREAMS`);
+  `kf`/`kl`/`kt` staged files sent by gcsfs / gcsfs on a loop of their own
+  / TensorStore (`staging.UPLOADER`);
+  `e0`/`e1` a staged step's arrays not / all read ahead from the start
+  (`orbax_target.STAGED_READ_AHEAD`); `aN` N read-ahead ranges in flight (`bucket_spool.READ_AHEAD_STREAMS`);
   `o0` / `o1` data files uploaded after the step is written / while it is
   (`staging.OVERLAP`);
   a final `d`: the direct write, not staged (`orbax_target.
@@ -366,16 +369,21 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
   knobs = re.fullmatch(
-      r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?(?:u(\d+))?(?:o(\d))?(?:a(\d+))?(d?)",
+      r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?(?:u(\d+))?(?:o(\d))?(?:a(\d+))?(?:e(\d))?(?:k([flt]))?(d?)",
       window_mib)
   if knobs is None:
     raise ValueError(f"migrate@{window_mib}: expected W[xF][rN][sK][bM][uN][d]")
   (window_mib, file_mib, ahead, slices, slice_mib, uploads, overlap,
-   ahead_streams, direct) = knobs.groups()
+   ahead_streams, read_all, uploader, direct) = knobs.groups()
+  from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
+  if uploader:  # `kf`/`kt`: staged files sent by gcsfs / TensorStore
+    staging.UPLOADER = {"f": "fsspec", "l": "fsspec-loop",
+                        "t": "tensorstore"}[uploader]
+  if read_all:  # `e0`/`e1`: a staged step's arrays read ahead from the start
+    orbax_target.STAGED_READ_AHEAD = read_all == "1"
   if ahead_streams:  # `aN`: N read-ahead ranges in flight (bucket_spool)
     from clu_ckpt import bucket_spool  # pylint: disable=g-import-not-at-top
     bucket_spool.READ_AHEAD_STREAMS = int(ahead_streams)
-  from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
   if uploads:
     staging.UPLOAD_STREAMS = int(uploads)
   if overlap:
@@ -484,6 +492,28 @@ def _route(method: str) -> tuple[str, str]:
   return name, route or "shaped"
 
 
+class _Flow:
+  """The proxy's byte counts every `period` seconds, in a thread."""
+
+  def __init__(self, proxy, period: float = 0.25):
+    import threading  # pylint: disable=g-import-not-at-top
+    self.points, self._proxy, self._period = [], proxy, period
+    self._stop = threading.Event()
+    self._start = time.perf_counter()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _run(self):
+    while not self._stop.wait(self._period):
+      self.points.append([round(time.perf_counter() - self._start, 2),
+                          round(self._proxy.down / 2**20, 1),
+                          round(self._proxy.up / 2**20, 1)])
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join()
+
+
 def _measure(args) -> dict:
   import bench_migration  # pylint: disable=g-import-not-at-top
   import emulators  # pylint: disable=g-import-not-at-top
@@ -540,7 +570,16 @@ def _measure(args) -> dict:
           env["PYTHONPATH"] = args.baseline
         cpu = (_cpu_seconds(), _cpu_seconds(store.proc.pid))
         wall = time.perf_counter()
-        result = _run_child(child, src, dst, env)
+        flow = _Flow(proxy) if args.timeline and proxy is not None else None
+        try:
+          result = _run_child(child, src, dst, env)
+        finally:
+          if flow is not None:
+            flow.stop()
+        if flow is not None:
+          # [seconds, MiB down, MiB up] every 0.25 s: the phases as the
+          # link saw them.
+          result["flow"] = flow.points
         result["wall_child"] = time.perf_counter() - wall
         # CPU seconds of the proxies (this process) and of the emulator
         # during the measurement, beside the child's own (`cpu_child`, its

@@ -118,6 +118,10 @@ SLICE_BYTES: Optional[int] = None
 # of the step), or a staging directory without room for the step. False:
 # always the direct write. Measured: see the README's bucket section.
 STAGE_BUCKET_STEPS = True
+# A staged step's source arrays are read ahead from the start, one after the
+# other, in a thread (`_ReadAhead`), not one array ahead of the writer: the
+# local writes do not wait for a link, so the download is the pace.
+STAGED_READ_AHEAD = True
 
 # The oldest orbax-checkpoint the migration writes with: its `NumpyHandler`
 # takes `deepcopy_host_arrays` from 0.12.5 on (before, it deep-copies every
@@ -441,7 +445,9 @@ class OrbaxTarget(Target):
                          use_compression=self.use_compression,
                          type_handler_registry=_type_handlers(
                              self.inflight_bytes, on_bytes,
-                             stage=not self.use_compression))
+                             stage=not self.use_compression,
+                             read_ahead_all=(root != self.root and
+                                             STAGED_READ_AHEAD)))
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(STATE_ITEM, ocp.args.PyTreeSave, state_handler)
     registry.add(DATASET_ITEM, ocp.args.PyTreeSave,
@@ -830,9 +836,10 @@ def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
 
 
 def _type_handlers(inflight_bytes: int, on_bytes: Callable[[int], None],
-                   stage: bool = True):
+                   stage: bool = True, read_ahead_all: bool = False):
   """Orbax's standard type handlers, numpy arrays written in bounded slices
-  (unaligned ones staged first when `stage`: see `_bounded_numpy_handler`)."""
+  (unaligned ones staged first when `stage`; every array read ahead in a
+  thread when `read_ahead_all`: see `_bounded_numpy_handler`)."""
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   th = ocp.type_handlers
@@ -840,7 +847,8 @@ def _type_handlers(inflight_bytes: int, on_bytes: Callable[[int], None],
       (int, th.ScalarHandler()),
       (float, th.ScalarHandler()),
       (np.number, th.ScalarHandler()),
-      (np.ndarray, _bounded_numpy_handler(inflight_bytes, on_bytes, stage)),
+      (np.ndarray, _bounded_numpy_handler(inflight_bytes, on_bytes, stage,
+                                          read_ahead_all)),
       (jax.Array, th.get_type_handler(jax.Array)),
       (str, th.StringHandler()),
   )
@@ -916,7 +924,7 @@ async def _write_slice(t: Any, value: np.ndarray, start: int,
 
 def _bounded_numpy_handler(inflight_bytes: int,
                            on_bytes: Callable[[int], None],
-                           stage: bool = True):
+                           stage: bool = True, read_ahead_all: bool = False):
   """A `NumpyHandler` that hands TensorStore a bounded number of bytes.
 
   Orbax's handler deep-copies every array, then gives all of them to
@@ -939,6 +947,12 @@ def _bounded_numpy_handler(inflight_bytes: int,
       than this is written alone).
     on_bytes: Called with an array's byte count once it is written.
     stage: Whether unaligned arrays are copied into aligned buffers first.
+    read_ahead_all: Whether a thread also advises every array, in order,
+      from the start (a bucket source's arrays are then downloaded one
+      after the other at the link's pace, not one array ahead of the
+      writer): for a step staged locally (`staging`), whose writes do not
+      wait for a link. The bytes go to the source's spool (a file), not to
+      process memory.
 
   Returns:
     The handler.
@@ -987,6 +1001,7 @@ def _bounded_numpy_handler(inflight_bytes: int,
 
       tasks = []
       prefetch = memory.Prefetcher(values, 2 * inflight_bytes)
+      ahead = _ReadAhead(values) if read_ahead_all else None
       # The read-ahead runs in a thread: on a bucket it downloads (a spool's
       # madvise fetches), and on the event loop it would stall the writes
       # already admitted, so the next arrays' download would not overlap
@@ -1008,9 +1023,41 @@ def _bounded_numpy_handler(inflight_bytes: int,
           tasks.append(asyncio.ensure_future(write(value, info, arg)))
         if reading is not None:
           await reading
+        await asyncio.gather(*tasks)
       finally:
         if reading is not None and not reading.done():
           reading.cancel()
-      await asyncio.gather(*tasks)
+        if ahead is not None:
+          ahead.stop()
 
   return BoundedNumpyHandler()
+
+
+class _ReadAhead:
+  """Advises every array of a list, in order, in a thread of its own
+  (`memory.will_need`: a bucket spool's map downloads each), until done or
+  stopped; in the caller's context (a `bucket_cache` block applies)."""
+
+  def __init__(self, values: Any):
+    import contextvars  # pylint: disable=g-import-not-at-top
+    import threading  # pylint: disable=g-import-not-at-top
+    self._values = values
+    self._stopped = threading.Event()
+    context = contextvars.copy_context()
+    self._thread = threading.Thread(
+        target=context.run, args=(self._run,), daemon=True,
+        name="clu_ckpt-read-ahead")
+    self._thread.start()
+
+  def _run(self) -> None:
+    for value in self._values:
+      if self._stopped.is_set():
+        return
+      try:
+        memory.will_need(value)
+      except Exception:  # pylint: disable=broad-except
+        return  # the writer's own advice reports the failure
+
+  def stop(self) -> None:
+    """No further arrays are advised (the one under way finishes)."""
+    self._stopped.set()
