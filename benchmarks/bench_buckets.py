@@ -354,8 +354,6 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   `bM` slices of M MiB (`orbax_target.SLICES_IN_FLIGHT`, `SLICE_BYTES`;
   b0: arrays handed to TensorStore whole, as before); `uN` N files
   uploaded at once from the staging directory (`staging.UPLOAD_STREAMS`);
-  `kf`/`kl`/`kt` staged files sent by gcsfs / gcsfs on a loop of their own
-  / TensorStore (`staging.UPLOADER`);
   `e0`/`e1` a staged step's arrays not / all read ahead from the start
   (`orbax_target.STAGED_READ_AHEAD`); `aN` N read-ahead ranges in flight (`bucket_spool.READ_AHEAD_STREAMS`);
   `o0` / `o1` data files uploaded after the step is written / while it is
@@ -369,21 +367,19 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
   knobs = re.fullmatch(
-      r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?(?:u(\d+))?(?:o(\d))?(?:a(\d+))?(?:e(\d))?(?:k([flt]))?(d?)",
+      r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?(?:u(\d+))?(?:o(\d))?(?:a(\d+))?(?:e(\d))?(d?)",
       window_mib)
   if knobs is None:
     raise ValueError(f"migrate@{window_mib}: expected W[xF][rN][sK][bM][uN][d]")
   (window_mib, file_mib, ahead, slices, slice_mib, uploads, overlap,
-   ahead_streams, read_all, uploader, direct) = knobs.groups()
+   ahead_streams, read_all, direct) = knobs.groups()
   from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
-  if uploader:  # `kf`/`kt`: staged files sent by gcsfs / TensorStore
-    staging.UPLOADER = {"f": "fsspec", "l": "fsspec-loop",
-                        "t": "tensorstore"}[uploader]
   if read_all:  # `e0`/`e1`: a staged step's arrays read ahead from the start
     orbax_target.STAGED_READ_AHEAD = read_all == "1"
   if ahead_streams:  # `aN`: N read-ahead ranges in flight (bucket_spool)
     from clu_ckpt import bucket_spool  # pylint: disable=g-import-not-at-top
     bucket_spool.READ_AHEAD_STREAMS = int(ahead_streams)
+    orbax_target.STAGED_READ_AHEAD_STREAMS = int(ahead_streams)
   if uploads:
     staging.UPLOAD_STREAMS = int(uploads)
   if overlap:

@@ -120,6 +120,7 @@ def test_staged_step_restores_bit_exactly_and_is_laid_out_as_a_direct_write(
   commit = f"{staged}/{step}/commit_success.txt"
   ours = [s for s in sent if s[0].startswith(f"{staged}/{step}/")]
   assert ours[-1][0] == commit
+  assert [u for u, _, _ in ours].count(commit) == 1  # sent once, last
   assert ours[-1][1] >= max(end for url, _, end in ours[:-1])
   assert {u[len(staged) + 1:] for u, _, _ in ours} == {
       n for n in staged_names if n.startswith(f"{step}/")}

@@ -58,15 +58,14 @@ STREAMS_ENV = "CLU_CKPT_STAGING_STREAMS"
 SINGLE_REQUEST_BYTES = 32 * 2**20
 # `StepUploader`: how often it looks for finished data files, and how long a
 # file must keep its size and time to be taken as finished.
-# What sends a staged file of at most SINGLE_REQUEST_BYTES to gs://:
-# "tensorstore" (TensorStore's GCS key-value store, the client Orbax's own
-# writes use: its requests run in C++ threads, beside the Python ones that
-# download the source) or "fsspec" (gcsfs, through `storage.filesystem`: its
-# requests share one Python event loop with the source's download).
-# Measured: see the README's bucket section.
-UPLOADER = "fsspec"
 # Whether data files are uploaded while the step is being written
 # (`StepUploader`) or all after it (`upload_step` alone).
+# Measured (bench_buckets.py, 480 MiB, 3 runs, medians): with overlap 12.23
+# s, after the step 11.33 s (within the noise: on 2 shared cores the writer
+# slows down as the uploads run beside it); with 8 read-ahead streams 10.11
+# s against 11.40 s. Sending through gcsfs on an event loop of its own
+# (11.55 s) or through TensorStore's GCS store (~2x slower uploads through
+# the proxy) did not help.
 OVERLAP = True
 POLL_SECONDS = 0.1
 SETTLE_SECONDS = 0.3
@@ -204,65 +203,6 @@ class _Missing(Exception):
   """The local file is not there (renamed or removed by Orbax meanwhile)."""
 
 
-class _OwnLoop:
-  """An asyncio loop in a thread of its own, with an asynchronous copy of
-  `storage.filesystem(url).fs` on it: uploads that do not share fsspec's
-  one loop thread with the source's download."""
-
-  def __init__(self):
-    import asyncio  # pylint: disable=g-import-not-at-top
-    self.loop = asyncio.new_event_loop()
-    self._clients: dict[str, Any] = {}
-    self._lock = threading.Lock()
-    threading.Thread(target=self.loop.run_forever, daemon=True,
-                     name="clu_ckpt-staged-upload-loop").start()
-
-  def call(self, url: str, make: Callable[[Any], Any]) -> Any:
-    import asyncio  # pylint: disable=g-import-not-at-top
-    scheme = url.split("://", 1)[0]
-    with self._lock:
-      client = self._clients.get(scheme)
-      if client is None:
-        sync = storage.filesystem(url).fs
-        options = dict(sync.storage_options)
-        options.update(asynchronous=True, loop=self.loop,
-                       skip_instance_cache=True)
-        client = type(sync)(**options)
-        self._clients[scheme] = client
-
-    async def run():
-      if getattr(client, "_session", True) is None and hasattr(
-          client, "set_session"):
-        await client.set_session()
-      return await make(client)
-
-    return asyncio.run_coroutine_threadsafe(run(), self.loop).result()
-
-
-_LOOP: list = []
-
-
-def _own_loop() -> _OwnLoop:
-  with _KVSTORES_LOCK:
-    if not _LOOP:
-      _LOOP.append(_OwnLoop())
-    return _LOOP[0]
-
-
-_KVSTORES: dict[str, Any] = {}
-_KVSTORES_LOCK = threading.Lock()
-
-
-def _kvstore(bucket: str) -> Any:
-  """TensorStore's key-value store of a GCS bucket (one per process)."""
-  with _KVSTORES_LOCK:
-    if bucket not in _KVSTORES:
-      import tensorstore as ts  # pylint: disable=g-import-not-at-top
-      _KVSTORES[bucket] = ts.KvStore.open(
-          {"driver": "gcs", "bucket": bucket}).result()
-    return _KVSTORES[bucket]
-
-
 def _put(local: str, url: str, data: Optional[bytes] = None) -> None:
   """Uploads one local file (or `data`) to `url`.
 
@@ -283,16 +223,6 @@ def _put(local: str, url: str, data: Optional[bytes] = None) -> None:
           if not block:
             break
           write(block)
-      return
-    if UPLOADER == "tensorstore" and url.startswith("gs://"):
-      bucket, key = url[len("gs://"):].split("/", 1)
-      _kvstore(bucket).write(key, data if f is None else f.read()).result()
-      return
-    if UPLOADER == "fsspec-loop":
-      key = url.split("://", 1)[1]
-      body = data if f is None else (
-          mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b"")
-      _own_loop().call(url, lambda fs: fs._pipe_file(key, body))  # pylint: disable=protected-access
       return
     client = storage.filesystem(url).fs
     key = url.split("://", 1)[1]
