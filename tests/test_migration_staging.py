@@ -157,6 +157,8 @@ def test_a_failed_upload_leaves_nothing_listed_and_the_next_run_finishes(
   fsspec_fs.configure_environment()
   with ocp.CheckpointManager(destination) as mngr:
     assert mngr.all_steps() == []  # stock Orbax does not list it either
+  left = [n for n in _objects(gcs, destination) if "/d/" in n]
+  assert left  # the failed attempt's data files, until the next run
 
   monkeypatch.undo()
   assert migration.migrate(source, destination, staging_dir=str(area)).ok
@@ -170,6 +172,7 @@ def test_a_failed_upload_leaves_nothing_listed_and_the_next_run_finishes(
            if not n.startswith(".clu_ckpt.lock")]  # the lease's own
   assert all(n.startswith("7/") or n.startswith("clu_ckpt_manifest")
              for n in names), names
+  assert not set(left) & set(names)
 
 
 def test_uploads_go_up_many_at_once_through_the_link(gcs, tmp_path):
@@ -282,6 +285,7 @@ def test_a_signal_during_the_upload_leaves_nothing_listed(gcs, tmp_path, how):
     assert _staged_entries(area)  # its debris, until the next run
   steps, _ = orbax_root.list_steps(destination)
   assert steps == []
+  left = [n for n in _objects(gcs, destination) if "/d/" in n]
   if how == "SIGKILL":
     time.sleep(2.5)  # the killed run's 1 s lease goes stale (+ the margin)
   for _ in range(5):
@@ -298,3 +302,4 @@ def test_a_signal_during_the_upload_leaves_nothing_listed(gcs, tmp_path, how):
            if not n.startswith(".clu_ckpt.lock")]  # the lease's own
   assert all(n.startswith("7/") or n.startswith("clu_ckpt_manifest")
              for n in names), names
+  assert not set(left) & set(names)  # the killed run's objects are gone
