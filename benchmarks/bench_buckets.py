@@ -400,6 +400,28 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
     return phases["staged_bytes"]
 
   staging.upload_step = timed_upload
+  # The phases on this clock: the step's write starts (setup before it:
+  # planning, the lock, the manifest), the source's last array arrives,
+  # Orbax's local write ends (the uploader's finish starts).
+  write_step = orbax_target.OrbaxTarget.write_step
+  fetch_ahead = orbax_target._fetch_ahead  # pylint: disable=protected-access
+  finish = staging.StepUploader.finish
+
+  def timed_write_step(self, *args, **kwargs):
+    phases.setdefault("step_start", time.perf_counter())
+    return write_step(self, *args, **kwargs)
+
+  def timed_fetch(value):
+    fetch_ahead(value)
+    phases["download_end"] = time.perf_counter()
+
+  def timed_finish(self):
+    phases["local_end"] = time.perf_counter()
+    return finish(self)
+
+  orbax_target.OrbaxTarget.write_step = timed_write_step
+  orbax_target._fetch_ahead = timed_fetch  # pylint: disable=protected-access
+  staging.StepUploader.finish = timed_finish
   if file_mib:
     orbax_target.REMOTE_DATA_FILE_BYTES = int(file_mib) * 2**20 or None
   if ahead:  # `rN`: the read-ahead's ranges of N MiB (bucket_spool)
@@ -424,6 +446,9 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
     result.update(write_s=phases["write_end"] - start,
                   upload_s=phases["upload_end"] - phases["write_end"],
                   staged_mib=phases.get("staged_bytes", 0) / 2**20)
+  # Seconds from the clock's start to each phase's end (see above).
+  result["phases"] = {k: round(v - start, 3) for k, v in phases.items()
+                      if k != "staged_bytes"}
   return result
 
 
