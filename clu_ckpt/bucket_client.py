@@ -377,8 +377,10 @@ def mtime(info: dict) -> float:
     if isinstance(value, datetime.datetime):
       return value.timestamp()
     if isinstance(value, str) and value:
-      # Python 3.10's fromisoformat takes neither "Z" nor 9 fractional digits.
-      text = re.sub(r"(\.\d{6})\d+", r"\1", value.replace("Z", "+00:00"))
+      # Python 3.10's fromisoformat takes neither "Z" nor a fraction of
+      # other than 3 or 6 digits: 6 digits, padded or cut.
+      text = re.sub(r"\.(\d+)", lambda m: "." + (m.group(1) + "00000")[:6],
+                    value.replace("Z", "+00:00"), count=1)
       with contextlib.suppress(ValueError):
         return datetime.datetime.fromisoformat(text).timestamp()
   return 0.0

@@ -325,15 +325,24 @@ def _name_unmigrated_checkpoints(root: str, source: str,
   `verify --source` answers before a source is deleted."""
   from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
   left = destination.checkpoints_not_migrated(root, source)
-  if left is None or not left.names:
+  if left is None or not left.anything:
     return  # unreadable: verify_orbax_root has said why
   missing = left.names
-  shown = ", ".join(missing[:10]) + (
-      f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-  result["problems"].append(
-      f"{left.source}: {len(missing)} of {left.total} checkpoint(s) "
-      f"not migrated into {root} ({shown}): deleting the source would lose "
-      f"them; `clu-ckpt migrate {source} {root}` migrates them")
+  if missing:
+    shown = ", ".join(missing[:10]) + (
+        f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+    result["problems"].append(
+        f"{left.source}: {len(missing)} of {left.total} checkpoint(s) "
+        f"not migrated into {root} ({shown}): deleting the source would "
+        f"lose them; `clu-ckpt migrate {source} {root}` migrates them")
+  if left.entries:
+    shown = ", ".join(left.entries[:10]) + (
+        f" and {len(left.entries) - 10} more" if len(left.entries) > 10
+        else "")
+    result["problems"].append(
+        f"{left.source}: also holds {shown}, which the migration did not "
+        "read (Orbax steps, other runs, Flax files, directories): deleting "
+        "the source would delete them; move or migrate them first")
   result["ok"] = False
 
 

@@ -722,7 +722,9 @@ def _check_hosts(path: str, hosts: dict, numbers: dict, trees: dict,
 
 def _format_orbax(report: dict) -> str:
   """Renders `orbax_root.inspect_orbax_root`'s report."""
-  lines = [f"{report['path']}: Orbax CheckpointManager root"]
+  naming = report.get("step_naming")
+  lines = [f"{report['path']}: Orbax CheckpointManager root" + (
+      f" (steps named with {naming})" if naming else "")]
   table = [("step", "items", "size", "saved (UTC)", "from")]
   for row in report["steps"]:
     table.append((str(row["step"]), ",".join(row["items"]),

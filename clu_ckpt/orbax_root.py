@@ -16,6 +16,9 @@ Synopsis::
 
   orbax_root.is_orbax_root("/runs/a/orbax")                    # True
   steps, partial = orbax_root.list_steps("/runs/a/orbax")      # [100, 200], []
+  # Steps named `step_0100` (a run's own `step_prefix`/padding): found.
+  naming, steps, partial = orbax_root.read_steps("/runs/b/orbax")
+  naming.path("/runs/b/orbax", steps[-1])            # ".../step_0200"
   report = orbax_root.inspect_orbax_root("/runs/a/orbax")
   result = orbax_root.verify_orbax_root("/runs/a/orbax", source="/runs/a/ckpts")
 """
@@ -26,7 +29,7 @@ import collections
 import datetime
 import os
 import re
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from clu_ckpt import errors
 from clu_ckpt import flax_format
@@ -150,25 +153,135 @@ def commits_by_file(root: str) -> bool:
 
 
 def is_orbax_root(path: str) -> bool:
-  """True when `path` holds Orbax step directories (`<int>/` or tmp ones)."""
+  """True when `path` holds Orbax step directories (`<int>/` or tmp ones,
+  or steps of one prefix or padding: `find_step_naming`)."""
   if not storage.isdir(path):
     return False
-  for name in storage.listdir(path):
+  names = storage.listdir(path)
+  for name in names:
     step = name.split(".", 1)[0]
     if step.isdigit() and (name == step or ORBAX_TMP_MARKER in name) and (
         storage.isdir(storage.join(path, name))):
       return True
-  return False
+  return find_step_naming(path, [n.rstrip("/") for n in names]) != (
+      PLAIN_STEPS)
 
 
 _NAMED_STEP = re.compile(r"^(?:.+_\d+|0\d+)$")
+# A step directory's name under some naming: `[<prefix>_]<digits>`.
+_NAME_PARTS = re.compile(r"^(?:(.*)_)?([0-9]+)$")
+
+
+class StepNaming(NamedTuple):
+  """How an Orbax root names its step directories: the fields of
+  `CheckpointManagerOptions` of the same names (`step_name`).
+
+  Example::
+
+    naming = find_step_naming("/runs/a/orbax")   # StepNaming("step", 4)
+    naming.name(7)                               # "step_0007"
+    list_steps("/runs/a/orbax", **naming._asdict())
+  """
+  step_prefix: Optional[str] = None
+  step_format_fixed_length: Optional[int] = None
+
+  def name(self, step: int) -> str:
+    """The directory name of `step`."""
+    return step_name(step, self.step_prefix, self.step_format_fixed_length)
+
+  def path(self, root: str, step: int) -> str:
+    """The directory of `step` under `root`."""
+    return storage.join(root, self.name(step))
+
+  def describe(self) -> str:
+    """The options as a CLI gives them; "" for plain step numbers."""
+    parts = []
+    if self.step_prefix is not None:
+      parts.append(f"--step-prefix={self.step_prefix}")
+    if self.step_format_fixed_length:
+      parts.append(
+          f"--step-format-fixed-length={self.step_format_fixed_length}")
+    return " ".join(parts)
+
+
+PLAIN_STEPS = StepNaming()
+
+
+def _names(root: str) -> list[str]:
+  return [n.rstrip("/") for n in storage.listdir(root)]
+
+
+def find_step_naming(root: str, names: Optional[list[str]] = None
+                     ) -> StepNaming:
+  """The naming of `root`'s steps, read from the names of its directories.
+
+  Plain step numbers (`7`) when any entry is so named (what Orbax writes by
+  default, and what a root of mixed names is read as). Otherwise the one
+  naming that every entry named like a step shares: `step_0007` is prefix
+  "step" padded to 4 digits, `ckpt_7` prefix "ckpt", `0007` padding alone;
+  its newest such directory must hold Orbax's step metadata
+  (`_CHECKPOINT_METADATA`), so that other directories named `<word>_<n>`
+  (`run_1`, `run_2`) are not taken for steps. Entries of two namings, or
+  padded to two lengths, are ambiguous: plain step numbers then, and
+  `step_naming_hint` says why nothing is found. One listing of `root`
+  (unless `names` are given) and one existence check.
+
+  Example::
+
+    find_step_naming("/runs/a/orbax")    # StepNaming("step", 4)
+    find_step_naming("/runs/b/orbax")    # PLAIN_STEPS
+
+  Args:
+    root: An Orbax root (a path or URL).
+    names: Its entries, when already listed.
+
+  Returns:
+    The naming; `PLAIN_STEPS` when there is none other to find.
+  """
+  try:
+    if names is None:
+      names = _names(layout.absolute(root))
+  except (OSError, ValueError):
+    return PLAIN_STEPS
+  plain = _step_pattern(None, None)
+  groups: dict[Optional[str], list[tuple[str, str]]] = {}
+  for name in names:
+    if ORBAX_TMP_MARKER in name:
+      continue
+    if plain.match(name):
+      return PLAIN_STEPS
+    parts = _NAME_PARTS.match(name)
+    if parts:
+      groups.setdefault(parts.group(1), []).append((name, parts.group(2)))
+  if len(groups) != 1:
+    return PLAIN_STEPS
+  (prefix, entries), = groups.items()
+  padded = {len(d) for _, d in entries if len(d) > 1 and d.startswith("0")}
+  if len(padded) > 1:
+    return PLAIN_STEPS
+  try:
+    naming = StepNaming(prefix, padded.pop() if padded else None)
+    check_step_naming(*naming)
+  except errors.UsageError:
+    return PLAIN_STEPS  # a prefix Orbax itself could not list
+  pattern = _step_pattern(*naming)
+  numbered = [(int(d), n) for n, d in entries if pattern.match(n)]
+  if not numbered:
+    return PLAIN_STEPS
+  newest = max(numbered)[1]
+  try:
+    if not storage.exists(storage.join(root, newest, STEP_METADATA)):
+      return PLAIN_STEPS
+  except (OSError, ValueError):
+    return PLAIN_STEPS
+  return naming
 
 
 def step_naming_hint(path: str) -> str:
-  """Why `path` may look like no Orbax root to the tools: its step
-  directories named with a prefix or zero-padded (`step_0004`, `0004`:
-  `--step-prefix`, `--step-format-fixed-length`), which `inspect`, `verify`
-  and `load_state_dict` do not read.
+  """Why `path` may look like no Orbax root to the tools: directories
+  named like steps of a prefix or a padding (`step_0004`, `0004`) that
+  `find_step_naming` could not read as one root's steps (two namings, or
+  no Orbax step metadata in the newest).
 
   Args:
     path: A directory.
@@ -178,18 +291,50 @@ def step_naming_hint(path: str) -> str:
   """
   try:
     root = layout.absolute(path)
-    names = [n.rstrip("/") for n in storage.listdir(root)]
+    named = [n for n in sorted(_names(root)) if _NAMED_STEP.match(n)]
     # Step directories only: Flax's own `checkpoint_<step>` files are not.
-    named = next((n for n in sorted(names) if _NAMED_STEP.match(n)
-                  and storage.isdir(storage.join(root, n))), None)
+    if not named or not storage.isdir(storage.join(root, named[0])):
+      return ""
   except (OSError, ValueError):
     return ""
-  if named is None:
-    return ""
-  return (f"; its steps are named like {named!r} (a step prefix or a "
-          "fixed length), which inspect, verify and load_state_dict do not "
-          "read: `clu-ckpt migrate --verify` with the same --step-prefix / "
+  first = _prefix_of(named[0])
+  other = next((n for n in named if _prefix_of(n) != first), None)
+  which = (f"{named[0]!r} and {other!r} (two namings)" if other is not None
+           else f"{named[0]!r} (a step prefix or a fixed length)")
+  return (f"; its entries are named like {which}, which inspect, verify and "
+          "load_state_dict do not read as one Orbax root's steps (they need "
+          f"one naming, and Orbax's {STEP_METADATA} in the newest step): "
+          "`clu-ckpt migrate --verify` with the same --step-prefix / "
           "--step-format-fixed-length checks such a root")
+
+
+def _prefix_of(name: str) -> Optional[str]:
+  parts = _NAME_PARTS.match(name)
+  return parts.group(1) if parts else name
+
+
+def read_steps(root: str) -> tuple[StepNaming, list[int], list[str]]:
+  """`root`'s step naming (`find_step_naming`) and its steps under it.
+
+  Example::
+
+    naming, steps, partial = read_steps("/runs/a/orbax")
+    newest = naming.path("/runs/a/orbax", steps[-1])
+
+  Args:
+    root: An Orbax root (a path or URL; a missing one has no steps).
+
+  Returns:
+    (naming, sorted finished steps, names of unfinished entries), as
+    `list_steps` with that naming; one listing of `root`.
+  """
+  root = layout.absolute(root)
+  if not storage.exists(root) or not storage.isdir(root):
+    return PLAIN_STEPS, [], []
+  names = _names(root)
+  naming = find_step_naming(root, names)
+  steps, partial = _steps_among(root, names, naming)
+  return naming, steps, partial
 
 
 def list_steps(root: str, *, step_prefix: Optional[str] = None,
@@ -226,11 +371,17 @@ def list_steps(root: str, *, step_prefix: Optional[str] = None,
   root = layout.absolute(root)
   if not storage.exists(root) or not storage.isdir(root):
     return [], []
-  pattern = _step_pattern(step_prefix, step_format_fixed_length)
+  return _steps_among(root, _names(root),
+                      StepNaming(step_prefix, step_format_fixed_length))
+
+
+def _steps_among(root: str, names: list[str], naming: StepNaming
+                 ) -> tuple[list[int], list[str]]:
+  """`list_steps` of `root`, whose entries are `names`."""
+  pattern = _step_pattern(*naming)
   remote = commits_by_file(root)
   steps, partial = [], []
-  for name in storage.listdir(root):
-    name = name.rstrip("/")
+  for name in names:
     match = pattern.match(name)
     if ORBAX_TMP_MARKER in name:
       partial.append(name)
@@ -310,10 +461,10 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
     reason its leaves are not described) and `problems` (metadata Orbax
     could not read).
   """
-  numbers, partial = list_steps(root)
+  naming, numbers, partial = read_steps(root)
   rows = []
   for number in numbers:
-    directory = storage.join(root, str(number))
+    directory = naming.path(root, number)
     meta = _read_json(storage.join(directory, STEP_METADATA)) or {}
     clu = _read_json(storage.join(directory, "metadata", "metadata")) or {}
     stamp = meta.get("commit_timestamp_nsecs")
@@ -326,26 +477,28 @@ def inspect_orbax_root(root: str, step: Optional[int] = None) -> dict:
   if step is not None and step not in numbers:
     raise errors.CheckpointNotFoundError(
         f"No step {step} in {root} (steps: {numbers})"
-        f"{_mapping_hint(root, numbers, step)}")
+        f"{_mapping_hint(root, numbers, step, naming)}")
   chosen = step if step is not None else (numbers[-1] if numbers else None)
   problems: list[str] = []
   tree = None
   if chosen is not None:
-    tree = _step_tree(storage.join(root, str(chosen)), problems)
+    tree = _step_tree(naming.path(root, chosen), problems)
     tree["number"] = chosen
   elif not numbers:
     hint = step_naming_hint(root)  # one listing, and only without steps
     if hint:
       problems.append(f"{root}: no finished step{hint}")
   return dict(kind="orbax_root", path=root, steps=rows, partial=partial,
-              tree=tree, problems=problems)
+              tree=tree, problems=problems,
+              step_naming=naming.describe() or None)
 
 
-def _mapping_hint(root: str, numbers: list[int], number: int) -> str:
+def _mapping_hint(root: str, numbers: list[int], number: int,
+                  naming: StepNaming = PLAIN_STEPS) -> str:
   """"; CLU checkpoint 7 (ckpt-7) became step 700" when the root's
   migration metadata maps checkpoint `number` to a step, else ""."""
   for step in reversed(numbers):
-    clu = _read_json(storage.join(root, str(step), "metadata",
+    clu = _read_json(storage.join(naming.path(root, step), "metadata",
                                   "metadata")) or {}
     mapping = clu.get("step_mapping")
     if isinstance(mapping, dict) and str(number) in mapping:
@@ -520,13 +673,13 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
   """
   problems: list[str] = []
   compared = 0
-  numbers, partial = list_steps(root)
+  naming, numbers, partial = read_steps(root)
   src = None if source is None else _discover(source, problems)
   for name in partial:
     problems.append(f"{storage.join(root, name)}: unfinished step directory "
                     "(an interrupted save or migration)")
   for number in numbers:
-    directory = storage.join(root, str(number))
+    directory = naming.path(root, number)
     meta = _read_json(storage.join(directory, STEP_METADATA))
     if meta is None:
       problems.append(f"{storage.join(directory, STEP_METADATA)}: "

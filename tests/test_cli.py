@@ -649,6 +649,51 @@ def test_verify_with_its_source_names_checkpoints_never_migrated(
       done.stdout) and "(ckpt-1)" in done.stdout, done.stdout
 
 
+@pytest.mark.orbax  # migrates
+def test_verify_with_its_source_names_what_the_migration_did_not_read(
+    tmp_path, capsys):
+  """A run switched to `layout="orbax"` keeps Orbax steps in its CLU
+  directory; a run can hold another run, or Flax files: none of them is
+  migrated, so deleting the source would lose them, and `verify --source`
+  must say so (it said OK)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  src, dst = tmp_path / "run", tmp_path / "dst"
+  ds = iter(tf.data.Dataset.range(100))
+  ckpt = checkpoint.Checkpoint(str(src), dict(ds_iter=ds))
+  for step in (1, 2):
+    ckpt.save(example_state(step))
+  assert cli.main(["migrate", str(src), str(dst)]) == 0
+  capsys.readouterr()
+  assert _in_process(capsys, "verify", dst, "--source", src).returncode == 0
+  # The run goes on in Orbax's layout, in the same directory.
+  switched = checkpoint.Checkpoint(str(src), dict(ds_iter=ds),
+                                   layout="orbax")
+  switched.restore_or_initialize(example_state(0))
+  switched.save(example_state(3))
+  steps = sorted(n for n in os.listdir(src) if n.isdigit())
+  assert steps, os.listdir(src)
+  done = _in_process(capsys, "verify", dst, "--source", src)
+  assert done.returncode == 1, done.stdout
+  assert done.stdout.splitlines()[0] == (
+      f"PROBLEM: {src}: also holds {', '.join(s + '/' for s in steps)}, "
+      "which the migration did not read (Orbax steps, other runs, Flax "
+      "files, directories): deleting the source would delete them; move or "
+      "migrate them first"), done.stdout
+  for n in steps:
+    shutil.rmtree(src / n)
+  assert _in_process(capsys, "verify", dst, "--source", src).returncode == 0
+  # A run inside the run, and a Flax file beside it.
+  (src / "finetune").mkdir()
+  (src / "ema_10").write_bytes(b"\x80")
+  (src / "notes.txt").write_text("not a checkpoint")
+  done = _in_process(capsys, "verify", dst, "--source", src)
+  assert done.returncode == 1
+  assert f"PROBLEM: {src}: also holds ema_10, finetune/, which" in (
+      done.stdout), done.stdout
+
+
 def test_inspect_a_missing_step_of_a_migrated_root_hints_at_the_mapping(
     tmp_path, capsys, golden_copy):
   src = golden_copy("single_host")

@@ -364,6 +364,30 @@ def test_a_run_ok_whose_source_keeps_checkpoints_is_named(tmp_path):
   assert merged.stdout.splitlines()[-1].startswith("1 source(s) keep")
 
 
+def test_a_run_ok_whose_source_holds_what_it_did_not_read_is_named(tmp_path):
+  """An Orbax step saved into the run by `Checkpoint(layout="orbax")`, a run
+  inside the run: not migrated, so the source is one to keep."""
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  a = tmp_path / "runs" / "a" / "checkpoints"
+  clu_save(a, [example_state(1)])
+  clu_save(tmp_path / "runs" / "b" / "checkpoints", [example_state(2)])
+  (a / "7").mkdir()
+  (a / "finetune").mkdir()
+  run = _script("--source-glob=runs/*/checkpoints", "--destination-root=orbax",
+                "--report=r.json", cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((tmp_path / "r.json").read_text())
+  runs = {r["source"]: r for r in report["runs"]}
+  assert runs["runs/a/checkpoints"]["source_not_migrated"] == [
+      "7/", "finetune/"]
+  assert "source_not_migrated" not in runs["runs/b/checkpoints"]
+  assert report["sources_to_keep"] == ["runs/a/checkpoints"]
+  assert ("the source keeps 2 other entries not migrated (7/, finetune/): "
+          "do not delete it") in run.stdout, run.stdout
+  assert run.stdout.splitlines()[-1].startswith("1 source(s) keep")
+
+
 @pytest.mark.thorough
 def test_a_rerun_finishes_the_fleet(clu_fleet):
   """Once the missing disk is back, a re-run migrates what is left."""

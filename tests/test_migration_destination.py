@@ -615,3 +615,4 @@ def test_checkpoints_not_migrated_names_what_the_source_keeps(tmp_path):
   assert destination.checkpoints_not_migrated(str(root), str(src)).names == []
   assert destination.checkpoints_not_migrated(
       str(root), str(tmp_path / "nothing")) is None
+

@@ -286,6 +286,43 @@ def test_local_glob_is_glob_with_hidden_names(tree):
   assert "runs/link/x/checkpoints" in found
 
 
+def test_a_padded_number_is_not_a_host(tmp_path, monkeypatch):
+  """`checkpoints-00` beside `checkpoints-0`: both read as host 0, one
+  replaced the other (the wrong one migrated as host 0, the other never
+  mentioned). CLU never pads a host number: `-00` is not a host."""
+  for name in ("checkpoints-0", "checkpoints-1", "checkpoints-00"):
+    clu_dir(tmp_path, f"runs/z/{name}")
+  monkeypatch.chdir(tmp_path)
+  runs, _ = _summary(fleet_discovery.plan_fleet([], ["runs/z/checkpoints"]))
+  assert runs == [("runs/z/checkpoints", "MultihostCheckpoint", _HOSTS,
+                   None)]
+  runs, _ = _summary(fleet_discovery.plan_fleet([],
+                                                ["runs/z/checkpoints-*"]))
+  assert runs == [
+      ("runs/z/checkpoints", "MultihostCheckpoint", _HOSTS, None),
+      ("runs/z/checkpoints-00", "Checkpoint", [], None)]
+
+
+def test_links_between_siblings_are_not_walked_around(tmp_path,
+                                                      monkeypatch):
+  """`a/l -> ../b` and `b/l -> ../a`: `**` went `a/l/l/l/...` some 40
+  levels deep (until the system refused), listing 40 names of one run,
+  the last of them "cannot list"; a link to a directory it was reached
+  through is a loop, listed, not entered."""
+  clu_dir(tmp_path, "runs/a/checkpoints")
+  (tmp_path / "runs/b").mkdir()
+  (tmp_path / "runs/a/l").symlink_to("../b")
+  (tmp_path / "runs/b/l").symlink_to("../a")
+  monkeypatch.chdir(tmp_path)
+  unsearched = {}
+  assert fleet_discovery.local_glob("runs/**/checkpoints", unsearched) == [
+      "runs/a/checkpoints", "runs/a/l/l/checkpoints", "runs/b/l/checkpoints"]
+  assert not unsearched
+  plan = fleet_discovery.plan_fleet([], ["runs/**/checkpoints"])
+  assert [(r.source, r.error) for r in plan.runs] == [
+      ("runs/a/checkpoints", None)]
+
+
 def test_a_host_like_directory_beside_a_run_is_a_run(tree):
   """`runs/a/checkpoints` is a run and `runs/a/checkpoints-0` another: a
   glob matching only the latter made it a host of the former, so the former
@@ -911,3 +948,207 @@ def test_flax_files_of_another_prefix_are_a_run(tmp_path, monkeypatch):
       {"source": str(run), "destination": str(tmp_path / "out")}, {})
   assert entry["status"] == "ok", entry
   assert [s["step"] for s in entry["summary"]["steps"]] == [5, 10]
+
+
+# --------------------------------------------------------------------------
+# Runs that discovery must not leave out: real fleets of golden checkpoints.
+# --------------------------------------------------------------------------
+
+
+def _golden_run(name, target):
+  """A writable copy of golden case `name`'s directory (or host directory
+  `name` = "multihost/checkpoints-1") at `target`."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from conftest import golden_case  # pylint: disable=g-import-not-at-top
+  from conftest import make_writable  # pylint: disable=g-import-not-at-top
+  case, _, sub = name.partition("/")
+  shutil.copytree(golden_case(case) / sub, target,
+                  ignore=shutil.ignore_patterns("MANIFEST.json"))
+  make_writable(target)
+
+
+def _host_dirs(root):
+  return sorted(str(p.relative_to(root)) for p in root.glob("runs/*/*-[0-9]"))
+
+
+def test_host_directories_a_matched_base_implies_end_as_runs_or_errors(
+    tmp_path, monkeypatch):
+  """`runs/*/checkpoints` names bases whose host directories are not a
+  MultihostCheckpoint as found: host 0 missing (b), host 0 empty (d), host
+  directories beside a base that is itself a checkpoint directory (c).
+  They were neither runs nor skipped: the fleet said ok and exit 0."""
+  _golden_run("multihost/checkpoints-1", tmp_path / "runs/b/checkpoints-1")
+  _golden_run("single_host", tmp_path / "runs/c/checkpoints")
+  _golden_run("multihost/checkpoints-0", tmp_path / "runs/c/checkpoints-0")
+  _golden_run("multihost/checkpoints-1", tmp_path / "runs/c/checkpoints-1")
+  (tmp_path / "runs/d/checkpoints-0").mkdir(parents=True)
+  _golden_run("multihost/checkpoints-1", tmp_path / "runs/d/checkpoints-1")
+  _golden_run("multihost/checkpoints-1", tmp_path / "runs/o/checkpoints-1")
+  (tmp_path / "runs/o/checkpoints-0").mkdir()
+  (tmp_path / "runs/o/checkpoints-0/notes.txt").write_text("not a state")
+  _golden_run("single_host", tmp_path / "runs/e/checkpoints")
+  (tmp_path / "runs/x/checkpoints-0").mkdir(parents=True)  # nothing saved
+  monkeypatch.chdir(tmp_path)
+  plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints"])
+  runs = {r.source: (r.kind, r.error) for r in plan.runs}
+  assert runs == {
+      "runs/b/checkpoints": ("MultihostCheckpoint", (
+          "host directory runs/b/checkpoints-0 missing (found hosts 1): "
+          "restore it, or migrate the hosts found with clu-ckpt migrate")),
+      "runs/c/checkpoints": ("Checkpoint", None),
+      **{f"runs/c/checkpoints-{h}": ("Checkpoint", (
+          "beside runs/c/checkpoints, itself a checkpoint directory: a host "
+          "of a MultihostCheckpoint or a run of its own? Name it with "
+          "--sources to migrate it as a run of its own, or move "
+          "runs/c/checkpoints aside to migrate runs/c/checkpoints-<N> as "
+          "one MultihostCheckpoint")) for h in (0, 1)},
+      "runs/d/checkpoints": ("MultihostCheckpoint", (
+          "host directory runs/d/checkpoints-0 is empty: restore it, or "
+          "migrate the hosts found with clu-ckpt migrate")),
+      "runs/e/checkpoints": ("Checkpoint", None),
+      "runs/o/checkpoints": ("MultihostCheckpoint", (
+          "host directory runs/o/checkpoints-0 is not a CLU checkpoint "
+          "directory: restore it, or migrate the hosts found with clu-ckpt "
+          "migrate"))}
+  assert [(s.path, s.reason) for s in plan.skipped] == [
+      ("runs/x/checkpoints-0",
+       "empty directory (a host directory of runs/x/checkpoints, which "
+       "the glob names)")]
+  # Every host directory is a run, a host of one, or skipped: none unseen.
+  seen = {s.path for s in plan.skipped} | {
+      h for r in plan.runs for h in [r.source, *r.hosts]}
+  assert set(_host_dirs(tmp_path)) <= seen
+  # The fleet fails: its exit status protects the sources.
+  out = io.StringIO()
+  monkeypatch.setattr(sys, "stdout", out)
+  assert fleet.main(["--source-glob=runs/*/checkpoints",
+                     "--destination-root=orbax", "--dry-run"]) == 1
+  assert "cannot migrate runs/b/checkpoints: host directory" in out.getvalue()
+  # What c's error tells to do works: named, `<base>-0` is a run of its own.
+  plan = fleet_discovery.plan_fleet(["runs/c/checkpoints-0"], [])
+  assert [(r.source, r.kind, r.error) for r in plan.runs] == [
+      ("runs/c/checkpoints-0", "Checkpoint", None)]
+
+
+def test_runs_named_like_hosts_are_not_fused_silently(tmp_path,
+                                                      monkeypatch):
+  """`runs/*` matches `seed-0` and `seed-1`, two single-host runs: read as
+  the hosts of a MultihostCheckpoint `runs/seed`, seed-1's state was never
+  migrated and seed-0's newest checkpoint was dropped as "not on every
+  host", with exit 0. The glob matching both names cannot tell: an error
+  saying how to name them; each naming then plans what it says."""
+  _golden_run("single_host", tmp_path / "runs/seed-0")
+  _golden_run("single_host", tmp_path / "runs/seed-1")
+  for name in ("ckpt-5.flax", "ckpt-5.index", "ckpt-5.data-00000-of-00001"):
+    (tmp_path / "runs/seed-1" / name).unlink()
+  monkeypatch.chdir(tmp_path)
+  plan = fleet_discovery.plan_fleet([], ["runs/*"])
+  assert [(r.source, r.hosts, r.error) for r in plan.runs] == [
+      ("runs/seed", ["runs/seed-0", "runs/seed-1"], (
+          "runs/seed-0, runs/seed-1: the hosts of one MultihostCheckpoint "
+          "runs/seed (no such directory), or runs of their own? The glob "
+          "matches both names; name them with --sources=runs/seed (one run) "
+          "or --sources=runs/seed-0,runs/seed-1 (runs of their own)"))]
+  assert not plan.skipped
+  apart = fleet_discovery.plan_fleet(["runs/seed-0", "runs/seed-1"], [])
+  assert [(r.source, r.kind, r.error) for r in apart.runs] == [
+      ("runs/seed-0", "Checkpoint", None), ("runs/seed-1", "Checkpoint", None)]
+  fused = fleet_discovery.plan_fleet(["runs/seed"], [])
+  assert [(r.source, r.kind, r.error) for r in fused.runs] == [
+      ("runs/seed", "MultihostCheckpoint", None)]
+  # A glob naming the host directories only still covers their base.
+  hosts = fleet_discovery.plan_fleet([], ["runs/seed-*"])
+  assert [(r.source, r.kind, r.error) for r in hosts.runs] == [
+      ("runs/seed", "MultihostCheckpoint", None)]
+
+
+def test_flax_files_of_several_prefixes_are_an_error_not_a_skip(
+    tmp_path, monkeypatch):
+  """`model_3` and `ema_10`, Flax states of two prefixes: likely a run (the
+  fleet cannot tell which is its state), so an error, not "not a
+  checkpoint directory"."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  run = tmp_path / "runs" / "two"
+  run.mkdir(parents=True)
+  for name in ("model_3", "ema_10"):
+    flax_format.save_file({"w": np.ones(2, np.float32)}, str(run / name))
+  monkeypatch.chdir(tmp_path)
+  plan = fleet_discovery.plan_fleet([], ["runs/*"])
+  assert [(r.source, r.error) for r in plan.runs] == [(
+      "runs/two", "Flax checkpoint files of several prefixes (ema_, "
+      "model_): which is the run's state cannot be told; move each "
+      "prefix's files into a directory of its own")]
+  assert not plan.skipped
+
+
+def _without_permission_bypass():
+  """The command prefix that runs a process without root's permission
+  bypass (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH); [] for another user."""
+  import os  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  if os.geteuid() != 0:
+    return []
+  setpriv = shutil.which("setpriv")
+  caps = "-dac_override,-dac_read_search"
+  if setpriv is None or subprocess.run(
+      [setpriv, "--bounding-set", caps, "--inh-caps", caps, "true"],
+      check=False).returncode:
+    pytest.skip("root, and setpriv cannot drop the permission bypass")
+  return [setpriv, "--bounding-set", caps, "--inh-caps", caps]
+
+
+def _fleet_without_permission_bypass(cwd, *args):
+  """The fleet script's dry run as a user that permissions apply to."""
+  return subprocess.run(
+      [*_without_permission_bypass(), sys.executable,
+       str(Path(__file__).resolve().parents[1] / "migration" /
+           "migrate_runs.py"), *args, "--destination-root=orbax",
+       "--dry-run"], cwd=cwd, capture_output=True, text=True, check=False,
+      timeout=120)
+
+
+@pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
+                                     "runs/**/checkpoints"])
+def test_a_directory_the_glob_cannot_enter_is_an_error(tmp_path, pattern):
+  """Runs under directories the migrating user cannot enter were left out
+  without a word (`except OSError: continue`, `os.walk` ignoring errors):
+  each such directory is an error naming it and the OS error, in a real
+  fleet process (exit status 1); one inside a run that `**` walks into is
+  that run's error (a run in it would go with the run's source); the
+  glob's own top unlistable is a usage error (exit 2)."""
+  _golden_run("single_host", tmp_path / "runs/ok/checkpoints")
+  _golden_run("single_host", tmp_path / "runs/p1/checkpoints")
+  _golden_run("single_host", tmp_path / "runs/deep/x/checkpoints")
+  _golden_run("single_host", tmp_path / "runs/in/checkpoints")
+  (tmp_path / "runs/in/checkpoints/sub").mkdir()
+  closed = ["runs/p1", "runs/deep", "runs/in/checkpoints/sub"]
+  try:
+    for path in closed:
+      (tmp_path / path).chmod(0o000)
+    result = _fleet_without_permission_bypass(tmp_path,
+                                              f"--source-glob={pattern}")
+    (tmp_path / "runs").chmod(0o000)
+    top = _fleet_without_permission_bypass(tmp_path,
+                                           f"--source-glob={pattern}")
+  finally:
+    for path in ["runs", *closed]:
+      (tmp_path / path).chmod(0o755)
+  assert result.returncode == 1, result
+  lines = result.stdout.splitlines()
+  for path in closed[:2]:
+    assert (f"cannot migrate {path}: cannot list: Permission denied (runs "
+            f"below it that {pattern} would match cannot be seen)") in lines
+  assert ("would migrate runs/ok/checkpoints -> orbax/ok/checkpoints "
+          "(Checkpoint, 4.8 KiB)") in lines
+  inside = [l for l in lines if l.startswith(("cannot migrate runs/in/",
+                                              "would migrate runs/in/"))]
+  assert inside == ([
+      "cannot migrate runs/in/checkpoints: cannot list "
+      "runs/in/checkpoints/sub: Permission denied (runs below it that "
+      f"{pattern} would match cannot be seen)"] if "**" in pattern else [
+          "would migrate runs/in/checkpoints -> orbax/in/checkpoints "
+          "(Checkpoint, 4.8 KiB)"])
+  assert top.returncode == 2, top
+  assert f"--source-glob '{pattern}': runs: cannot list: Permission denied" in (
+      top.stderr)

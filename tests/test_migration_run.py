@@ -7,6 +7,7 @@ stock `orbax.checkpoint.CheckpointManager`.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -401,3 +402,36 @@ def test_interrupt_abandons_the_step_and_keeps_the_others(tmp_path,
   assert e.value.remaining == [5]
   assert not [p for p in os.listdir(dst) if "orbax-checkpoint-tmp" in p]
   assert migration.migrate(str(src), str(dst)).ok
+
+
+def test_a_recorded_checkpoint_is_not_written_again_when_the_naming_changes(
+    tmp_path, golden_copy):
+  """Steps named by the state's `step` (300, 400, 500); then ckpt-5 is
+  rewritten with an older state, so that "auto" now names by checkpoint
+  number: the recorded checkpoints keep their steps, none is written again
+  as 3, 4, 5 beside them."""
+  src = golden_copy("single_host")
+  dst = tmp_path / "dst"
+  first = migration.migrate(str(src), str(dst))
+  assert [s.step for s in first.steps] == [300, 400, 500]
+  for suffix in ("flax", "index", "data-00000-of-00001"):
+    shutil.copy(src / f"ckpt-4.{suffix}", src / f"ckpt-5.{suffix}")
+  again = migration.migrate(str(src), str(dst))
+  assert [(s.number, s.step, s.status) for s in again.steps] == [
+      (3, 300, "skipped"), (4, 400, "skipped"), (5, 500, "skipped")]
+  assert sorted(int(n) for n in os.listdir(dst) if n.isdigit()) == [
+      300, 400, 500]
+
+
+def test_a_checkpoint_without_its_tensorflow_files_fails_naming_the_index(
+    tmp_path, golden_copy):
+  """Its `.flax` alone would migrate without the iterator state, "ok"."""
+  src = golden_copy("single_host")
+  (src / "ckpt-4.index").unlink()
+  summary = migration.migrate(str(src), str(tmp_path / "dst"))
+  assert [(s.number, s.status) for s in summary.steps] == [
+      (3, "migrated"), (4, "failed"), (5, "migrated")]
+  failed = summary.steps[1]
+  assert failed.error.startswith(f"{src}/ckpt-4.index: missing: checkpoint "
+                                 "ckpt-4 has its .flax but not"), failed.error
+  assert orbax_target.list_steps(str(tmp_path / "dst"))[0] == [300, 500]

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -288,18 +289,22 @@ def test_item_names_from_disk_cannot_lead_out_of_the_step(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["step_0300", "0300", "ckpt_7"])
-def test_roots_of_named_steps_are_named_in_every_refusal(tmp_path, capsys,
-                                                         name):
-  """Roots written with --step-prefix / --step-format-fixed-length are not
-  read by the tools: each refusal says so and what checks such a root."""
+def test_named_directories_without_step_metadata_are_named_in_every_refusal(
+    tmp_path, capsys, name):
+  """Directories named like steps of a prefix or padding, but without
+  Orbax's step metadata, are not taken for steps: each refusal names them
+  and says what checks such a root."""
   from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
   from clu_ckpt import cli  # pylint: disable=g-import-not-at-top
   root = tmp_path / "root"
   (root / name / "state").mkdir(parents=True)
-  hint = (f"; its steps are named like {name!r} (a step prefix or a fixed "
-          "length), which inspect, verify and load_state_dict do not read: "
-          "`clu-ckpt migrate --verify` with the same --step-prefix / "
-          "--step-format-fixed-length checks such a root")
+  hint = (f"; its entries are named like {name!r} (a step prefix or a fixed "
+          "length), which inspect, verify and load_state_dict do not read as "
+          "one Orbax root's steps (they need one naming, and Orbax's "
+          "_CHECKPOINT_METADATA in the newest step): `clu-ckpt migrate "
+          "--verify` with the same --step-prefix / --step-format-fixed-length "
+          "checks such a root")
+  assert orbax_root.find_step_naming(str(root)) == orbax_root.PLAIN_STEPS
   assert orbax_root.step_naming_hint(str(root)) == hint
   with pytest.raises(errors.CheckpointNotFoundError) as e:
     checkpoint.load_state_dict(str(root))
@@ -321,3 +326,104 @@ def test_roots_of_named_steps_are_named_in_every_refusal(tmp_path, capsys,
   assert orbax_root.step_naming_hint(str(root)) == ""
   (root / "checkpoint_10").write_bytes(b"")
   assert orbax_root.step_naming_hint(str(root)) == ""
+
+
+def _leaves_equal(a, b):
+  import jax  # pylint: disable=g-import-not-at-top
+  flat_a, tree_a = jax.tree_util.tree_flatten(a)
+  flat_b, tree_b = jax.tree_util.tree_flatten(b)
+  return tree_a == tree_b and all(
+      np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y)
+      for x, y in zip(flat_a, flat_b))
+
+
+NAMINGS = [("step_{:04d}", orbax_root.StepNaming("step", 4)),
+           ("{:06d}", orbax_root.StepNaming(None, 6)),
+           ("ckpt_{}", orbax_root.StepNaming("ckpt", None)),
+           ("_{}", orbax_root.StepNaming("", None)),
+           ("my_run_{:04d}", orbax_root.StepNaming("my_run", 4)),
+           ("v_{:03d}", orbax_root.StepNaming("v", None))]
+
+
+def test_migrated_roots_of_named_steps_read_like_plain_ones(tmp_path,
+                                                            golden_copy):
+  """A root whose steps carry a prefix or a padding (`--step-prefix`,
+  `--step-format-fixed-length`, or an Orbax run's own options) is read by
+  load_state_dict, inspect and verify as its plain twin, and `verify
+  --source` still finds what it lacks."""
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
+  src = golden_copy("single_host")
+  plain = tmp_path / "plain"
+  migration.migrate(str(src), str(plain))
+  steps = orbax_root.list_steps(str(plain))[0]
+  assert steps == [300, 400, 500]
+  want = checkpoint.load_state_dict(str(plain))
+  want_400 = checkpoint.load_state_dict(str(plain), checkpoint=400)
+  for form, naming in NAMINGS:
+    root = tmp_path / form.replace("{", "").replace("}", "").replace(":", "")
+    shutil.copytree(plain, root)
+    for step in steps:
+      (root / str(step)).rename(root / form.format(step))
+    assert orbax_root.find_step_naming(str(root)) == naming, form
+    assert orbax_root.read_steps(str(root)) == (naming, steps, []), form
+    assert orbax_root.is_orbax_root(str(root)), form
+    assert _leaves_equal(checkpoint.load_state_dict(str(root)), want), form
+    assert _leaves_equal(checkpoint.load_state_dict(str(root), checkpoint=400),
+                         want_400), form
+    assert _leaves_equal(
+        checkpoint.load_state_dict(str(root), checkpoint="ckpt-4"),
+        want_400), form
+    report = inspection.inspect_path(str(root))
+    assert [r["step"] for r in report["steps"]] == steps, form
+    assert report["tree"]["number"] == 500 and report["tree"]["leaves"]
+    assert report["step_naming"] == naming.describe() != "", form
+    assert "steps named with --step" in inspection.format_inspect(report)
+    result = orbax_root.verify_orbax_root(str(root), source=str(src))
+    assert result["ok"] and result["checked"] == 3, (form, result)
+    left = destination.checkpoints_not_migrated(str(root), str(src))
+    assert left.names == [], form
+    # Without the manifest, each step's own metadata says what it holds.
+    (root / destination.MANIFEST_NAME).unlink()
+    shutil.rmtree(root / form.format(500))
+    left = destination.checkpoints_not_migrated(str(root), str(src))
+    assert left.names == ["ckpt-5"], (form, left)
+
+
+def test_named_steps_of_a_native_orbax_run_are_listed_as_orbax_lists_them(
+    tmp_path):
+  root = tmp_path / "root"
+  options = ocp.CheckpointManagerOptions(step_prefix="step",
+                                         step_format_fixed_length=5)
+  with ocp.CheckpointManager(str(root), options=options) as mngr:
+    for step in (7, 120):
+      mngr.save(step, args=ocp.args.StandardSave({"w": np.arange(4) * step}))
+      mngr.wait_until_finished()
+    assert mngr.all_steps() == [7, 120]
+  naming, steps, _ = orbax_root.read_steps(str(root))
+  assert naming == orbax_root.StepNaming("step", 5) and steps == [7, 120]
+  report = inspection.inspect_path(str(root))
+  assert [r["step"] for r in report["steps"]] == [7, 120]
+  assert orbax_root.verify_orbax_root(str(root))["ok"]
+
+
+@pytest.mark.parametrize("names,why", [
+    (["a_0001", "b_0002"], "two namings"),
+    (["step_01", "step_002"], "two paddings"),
+    (["run_1", "run_2"], "no step metadata"),
+    (["7", "step_0008"], "plain numbers win"),
+])
+def test_names_that_are_not_one_roots_steps_are_read_as_plain(tmp_path, names,
+                                                               why):
+  root = tmp_path / "root"
+  for name in names:
+    (root / name).mkdir(parents=True)
+    if why != "no step metadata":
+      (root / name / orbax_root.STEP_METADATA).write_text("{}")
+  assert orbax_root.find_step_naming(str(root)) == orbax_root.PLAIN_STEPS, why
+  if why == "no step metadata":
+    assert not orbax_root.is_orbax_root(str(root))
+  if why == "two namings":
+    assert "'a_0001' and 'b_0002' (two namings)" in (
+        orbax_root.step_naming_hint(str(root)))

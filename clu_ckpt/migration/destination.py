@@ -50,6 +50,7 @@ Synopsis::
   left = destination.checkpoints_not_migrated("/runs/a/orbax",
                                               "/runs/a/checkpoints")
   left.names   # ["ckpt-8"]: saved after the migration, or not selected
+  left.entries  # ["6/"]: what the migration does not read (an Orbax step)
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import socket
 import stat
 from typing import Any, Iterator, Mapping, Optional
@@ -66,6 +68,7 @@ from typing import Any, Iterator, Mapping, Optional
 from absl import logging
 
 from clu_ckpt import errors
+from clu_ckpt import layout
 from clu_ckpt import storage
 from clu_ckpt.migration import lease as lease_lib
 # Re-exported: the lease's knobs and check, as the lock's.
@@ -398,16 +401,72 @@ def _manifest_problem(data: Any) -> Optional[str]:
 
 @dataclasses.dataclass
 class NotMigrated:
-  """The checkpoints a source keeps that were never migrated into a root.
+  """What a source holds that was never migrated into a root.
 
   Attributes:
     source: The source's path as discovered (absolute).
-    names: Their names ("ckpt-8"), oldest first; [] when all were migrated.
+    names: The checkpoints ("ckpt-8"), oldest first; [] when all were
+      migrated. (A checkpoint kept on some hosts of a `MultihostCheckpoint`
+      only is a save the other hosts never finished: CLU never restores it,
+      and it is not counted.)
     total: How many checkpoints the source keeps.
+    entries: Other entries of the source's directories that may hold
+      checkpoints the migration does not read, relative to the source:
+      subdirectories ("6/": an Orbax step of `Checkpoint(layout="orbax")`;
+      "finetune/": a run inside the run) and files named like Flax's
+      (`<prefix><number>`: "checkpoint_10", "ema_10"). Deleting the source
+      deletes them.
   """
   source: str
   names: list[str]
   total: int
+  entries: list[str] = dataclasses.field(default_factory=list)
+
+  @property
+  def anything(self) -> bool:
+    """Whether deleting the source would lose anything listed here."""
+    return bool(self.names or self.entries)
+
+
+# A CLU checkpoint's own files (and TensorFlow's and clu_ckpt's temporary
+# ones): what a migration reads, or debris of an interrupted save.
+_CLU_FILE = re.compile(
+    r".+-\d+(\.flax(\.tmp-.*)?|\.index|\.data-\d+-of-\d+|_temp)", re.S)
+# A file named like Flax's `flax.training.checkpoints` files: `<prefix><n>`.
+_FLAX_LIKE = re.compile(r"[^.]*\d", re.S)
+
+
+def _other_entries(src: Any) -> list[str]:
+  """Entries of `src`'s directories a migration of it does not take.
+
+  One listing per directory; a kind of entry is asked for (a round trip
+  on a bucket) only when its name is neither a CLU file nor a hidden one.
+  """
+  taken = {os.path.basename(f) for c in src.checkpoints
+           for f in (c.files or {}).values()}
+  out = []
+  for directory in src.host_directories.values():
+    relative = ("" if layout.normpath(directory) == layout.normpath(
+        src.path) else os.path.basename(directory.rstrip("/")) + "/")
+    try:
+      names = sorted(n.rstrip("/") for n in storage.listdir(directory))
+    except OSError:
+      continue  # the migration's own reading has said why
+    for name in names:
+      if (name in taken or name == layout.STATE_FILENAME or
+          name.startswith(f"{layout.STATE_FILENAME}.tmp") or
+          _CLU_FILE.fullmatch(name)):
+        continue
+      path = storage.join(directory, name)
+      try:
+        is_dir = storage.isdir(path)
+      except OSError:
+        is_dir = True  # cannot tell: keep it listed
+      if is_dir:
+        out.append(f"{relative}{name}/")
+      elif not name.startswith(".") and _FLAX_LIKE.fullmatch(name):
+        out.append(f"{relative}{name}")
+  return out
 
 
 def checkpoints_not_migrated(root: str, source: str
@@ -420,12 +479,16 @@ def checkpoints_not_migrated(root: str, source: str
   records it (even if its step is gone since: Orbax's `max_to_keep`), or,
   for what the manifest leaves out (a root migrated before manifests, a
   kill before the record), when a step's migration metadata names it.
+  Entries of the source's directories that a migration does not read (Orbax steps a
+  `Checkpoint(layout="orbax")` saved there, a run inside the run, Flax
+  files) are listed too (`NotMigrated.entries`): deleting the source
+  would lose them.
 
   Example::
 
     left = checkpoints_not_migrated("/orbax/a", "/runs/a/checkpoints")
-    if left is not None and left.names:
-      print(f"{left.source} keeps {', '.join(left.names)}")
+    if left is not None and left.anything:
+      print(f"{left.source} keeps {', '.join(left.names + left.entries)}")
 
   Args:
     root: The Orbax root.
@@ -452,14 +515,17 @@ def checkpoints_not_migrated(root: str, source: str
   # Steps' metadata only for what the manifest leaves out: on a bucket each
   # read is a round trip.
   unrecorded = [c for c in src.checkpoints if c.number not in done]
-  for number in orbax_root.list_steps(root)[0] if unrecorded else []:
+  naming, steps, _ = (orbax_root.read_steps(root) if unrecorded else
+                      (None, [], []))
+  for number in steps:
     try:
       meta = json.loads(storage.read_bytes(storage.join(
-          root, str(number), "metadata", "metadata")))
+          naming.path(root, number), "metadata", "metadata")))
     except (OSError, ValueError):
       continue
     if isinstance(meta, dict) and meta.get("source") == src.path:
       done.add(meta.get("clu_checkpoint_number"))
   return NotMigrated(src.path, [c.name for c in src.checkpoints
                                 if c.number not in done],
-                     len(src.checkpoints))
+                     len(src.checkpoints), _other_entries(src))
+

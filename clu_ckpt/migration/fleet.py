@@ -38,11 +38,14 @@ clu_ckpt.migration.fleet`); `main(argv)` runs it in-process. Its parts:
 
 Finding the runs (`fleet_discovery`): every path a `--source-glob` matches
 is a run or is listed as skipped with its reason (a path that cannot be
-listed, or a multihost run with a gap in its hosts, is a run with an
-error, never a skip; a run named twice is one run). A glob or path naming a
-`MultihostCheckpoint` base covers its `<base>-<int>` host directories, and
-a glob matching host directories covers their base. A glob that matches
-nothing is an error naming it. In a bucket, each glob costs one listing.
+listed, a directory under the glob the walk cannot enter, a multihost run
+with a host missing or empty, are runs with an error, never a skip; a run
+named twice is one run). A glob or path naming a `MultihostCheckpoint`
+base covers its `<base>-<int>` host directories, and a glob matching host
+directories only covers their base (one matching `<name>` and
+`<name>-<int>` alike cannot tell hosts from runs: an error). A glob that
+matches nothing is an error naming it. In a bucket, each glob costs one
+listing.
 
 Destinations: `<destination-root>/<the run's path relative to the source
 root>`. The source root is `--source-root`, or the one recorded in

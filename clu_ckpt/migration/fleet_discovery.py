@@ -11,14 +11,18 @@ Synopsis::
   for s in plan.skipped:       # Skipped(path, reason, glob)
     print("skipped", s.path, s.reason)
 
-Every path a glob matches is a run or is skipped with its reason (an empty
-directory, not a checkpoint directory, a host directory of a run listed as
-its base). A `MultihostCheckpoint` keeps its hosts in `<base>-<int>`
-directories: a glob or path naming `<base>` covers them, and a glob
-matching them covers their `<base>` (when `<base>-0` is a checkpoint
-directory). One function, `classify`, says what a directory is from its
-listing. A glob that matches nothing is an error naming it. In a bucket,
-each glob costs one listing.
+Every path a glob matches, every `<base>-<int>` a matched base implies,
+and every directory under the glob the walk cannot list or enter is a run
+(an error when it cannot be migrated as found) or is skipped with its
+reason (an empty directory, not a checkpoint directory, a host directory
+of a run listed as its base). A `MultihostCheckpoint` keeps its hosts in
+`<base>-<int>` directories: a glob or path naming `<base>` covers them
+(host 0 missing, a host empty or not CLU's: the run's error), and a glob
+matching them only covers their `<base>` (one matching `<base>` and
+`<base>-<int>` alike cannot tell hosts from runs named so: an error). One
+function, `classify`, says what a directory is from its listing. A glob
+that matches nothing is an error naming it. In a bucket, each glob costs
+one listing.
 
 Paths are compared normalized (`normalize_path`): local paths by
 `os.path.normpath` (relative paths stay relative, as the operator typed
@@ -37,7 +41,8 @@ from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 from clu_ckpt.errors import UsageError
 
-_HOST_DIR_RE = re.compile(r"^(?P<base>.+)-(?P<host>\d+)$")
+# CLU names a host's directory `<base>-<host_id>`, the number unpadded.
+_HOST_DIR_RE = re.compile(r"^(?P<base>.+)-(?P<host>0|[1-9]\d*)$")
 _URL_RE = re.compile(r"^[a-z][a-z0-9.+-]*://", re.I)
 # Flax's own `flax.training.checkpoints` layout: `checkpoint_<step>` files.
 _FLAX_TRAINING_RE = re.compile(r"^checkpoint_\d+$")
@@ -200,6 +205,8 @@ EMPTY = "empty"
 OTHER = "other"
 NOT_DIRECTORY = "not_directory"
 UNLISTABLE = "unlistable"
+# A directory under a glob that the walk could not list or enter.
+UNSEARCHED = "unsearched"
 
 # The reason of a host directory skipped because its base is a run.
 HOST_REASON = "host directory of "
@@ -217,6 +224,12 @@ class Unlistable:
   """A matched path whose listing failed, and why (a broken symbolic link,
   a link loop, no permission): likely a run, so an error, never a skip."""
   reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsearched(Unlistable):
+  """A directory the glob walk could not list or enter (no permission, an
+  I/O error): the runs below it cannot be seen, so an error."""
 
 
 def classify(entries: "Optional[Mapping[str, int]] | Unlistable") -> str:
@@ -248,6 +261,9 @@ def classify(entries: "Optional[Mapping[str, int]] | Unlistable") -> str:
 
 
 _NUMBERED_FILE_RE = re.compile(r"^[^.]*\D\d+$")
+_FLAX_NAME_RE = re.compile(r"^(?P<prefix>[^.]*\D)\d+$")
+# The first byte of a msgpack map (a Flax state): fixmap, map 16, map 32.
+_MAP_FIRST_BYTES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 
 
 def _flax_files_of_another_prefix(path: str, entries: Mapping[str, int]
@@ -261,6 +277,25 @@ def _flax_files_of_another_prefix(path: str, entries: Mapping[str, int]
     return False
   from clu_ckpt import flax_training  # pylint: disable=g-import-not-at-top
   return flax_training.find_prefix(path) is not None
+
+
+def _flax_prefixes(path: str, entries: Mapping[str, int]) -> list[str]:
+  """The prefixes of the files in `path` named `<prefix><digits>` that
+  start as a msgpack map (Flax states: `model_3`, `ema_10`), sorted."""
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  prefixes = set()
+  for name, size in entries.items():
+    m = _FLAX_NAME_RE.match(name)
+    if m is None or size <= 0 or m.group("prefix").endswith(("-", "tmp")):
+      continue  # `ckpt-7` (CLU's), a Flax temporary file
+    file_path = join_path(path, name)
+    try:
+      head = storage.filesystem(file_path).read_bytes(file_path, 0, 1)
+    except (OSError, ValueError, AttributeError):
+      continue
+    if len(head) == 1 and head[0] in _MAP_FIRST_BYTES:
+      prefixes.add(m.group("prefix"))
+  return sorted(prefixes)
 
 
 # The kinds this version migrates (`clu_ckpt.migration.migrate` reads both).
@@ -312,53 +347,75 @@ def list_candidates(pattern: str) -> dict[str, Entries]:
   Returns:
     Normalized path -> entries (see `classify`), with, for every
     `<base>-<int>` found, its other hosts and `<base>` itself when there
-    (whether `<base>` is a run decides what its `-<int>` siblings are).
+    (whether `<base>` is a run decides what its `-<int>` siblings are),
+    and every directory the walk could not list or enter, as `Unsearched`.
   """
   pattern = normalize_path(pattern)
   if split_url(pattern)[0]:
     return _list_bucket(pattern)
-  paths = set(local_glob(pattern))
-  paths.update(p for p in local_glob(pattern + "-[0-9]*")
+  unsearched: dict[str, str] = {}
+  paths = set(local_glob(pattern, unsearched))
+  paths.update(p for p in local_glob(pattern + "-[0-9]*", unsearched)
                if _HOST_DIR_RE.match(p))
   for base in {m.group("base") for m in map(_HOST_DIR_RE.match, list(paths))
                if m}:  # the other hosts of a host directory matched
-    paths.update(p for p in local_glob(glob.escape(base) + "-[0-9]*")
+    paths.update(p for p in local_glob(glob.escape(base) + "-[0-9]*",
+                                       unsearched)
                  if _HOST_DIR_RE.match(p))
     if os.path.lexists(base):  # its base: a run of its own, or their base
       paths.add(base)
-  return {normalize_path(p): _list_local_directory(p) for p in sorted(paths)}
+  found: dict[str, Entries] = {
+      normalize_path(p): _list_local_directory(p) for p in sorted(paths)}
+  for path, reason in sorted(unsearched.items()):
+    found.setdefault(normalize_path(path), Unsearched(reason))
+  return found
 
 
-def local_glob(pattern: str) -> list[str]:
+def local_glob(pattern: str,
+               unsearched: Optional[dict[str, str]] = None) -> list[str]:
   """Local paths matching `pattern`, names beginning with "." included.
 
   As `glob.glob(pattern, recursive=True)` but for hidden names, which a
   wildcard matches here as it does in a bucket's listing: a run under
   `runs/.exp1/` is found by `runs/*/checkpoints`, not left out unseen.
   `**` follows symbolic links to directories, but not around a loop.
+  Unlike `glob.glob`, a directory the walk cannot list or enter (no
+  permission, an I/O error) is not passed over without a word: it goes
+  into `unsearched`.
 
   Args:
     pattern: A normalized local glob (`normalize_path`).
+    unsearched: Filled with each directory the walk could not list or
+      enter (what may hold matching paths) -> the OS error's message.
 
   Returns:
     The matching paths (that exist, or are symbolic links), spelled as
     `pattern` is (relative ones relative), sorted.
   """
+  failed = {} if unsearched is None else unsearched
   parts = pattern.split(os.sep)
   paths = [os.sep if parts[0] == "" else ""]
   for part in parts[1:] if parts[0] == "" else parts:
     matched = []
     for base in paths:
       if part == "**":
-        matched.extend(_paths_under(base))
+        matched.extend(_paths_under(base, failed))
       elif not _has_wildcard(part):
         path = os.path.join(base, part)
-        if os.path.lexists(path):
+        try:
+          os.lstat(path)
           matched.append(path)
+        except (FileNotFoundError, NotADirectoryError):
+          pass  # not there (or `base` is a file): nothing to find
+        except OSError as e:  # `base` cannot be searched
+          failed[base or os.curdir] = e.strerror or str(e)
       else:
         try:
           names = os.listdir(base or os.curdir)
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
+          continue
+        except OSError as e:
+          failed[base or os.curdir] = e.strerror or str(e)
           continue
         matched.extend(os.path.join(base, n) for n in names
                        if fnmatch.fnmatchcase(n, part))
@@ -366,16 +423,29 @@ def local_glob(pattern: str) -> list[str]:
   return sorted({p for p in paths if p})
 
 
-def _paths_under(base: str) -> list[str]:
+def _paths_under(base: str, failed: dict[str, str]) -> list[str]:
   """`base` and every path below it, for `**`.
 
   Symbolic links to directories are followed (as `glob.glob` does: a
   disk mounted through a link holds runs too), but not one that leads back
-  to a directory above it (a loop).
+  to a directory above it (a loop). A directory that cannot be listed goes
+  into `failed` (path -> why).
   """
+  def walk_error(e: OSError) -> None:
+    if not isinstance(e, (FileNotFoundError, NotADirectoryError)):
+      path = e.filename if isinstance(e.filename, str) else base
+      if not base and path:
+        path = os.path.relpath(path, os.curdir)
+      failed[path or os.curdir] = e.strerror or str(e)
+
   found = [base] if os.path.isdir(base or os.curdir) else []
-  for top, names, files in os.walk(base or os.curdir, followlinks=True):
+  # The real paths of the directories a walked directory was reached
+  # through: a link to one of them (or above) is a loop.
+  entered: dict[str, frozenset[str]] = {}
+  for top, names, files in os.walk(base or os.curdir, onerror=walk_error,
+                                   followlinks=True):
     real_top = os.path.realpath(top)
+    chain = entered.pop(top, frozenset()) | {real_top}
     for name in files:
       path = os.path.join(top, name)
       found.append(path if base else os.path.relpath(path, os.curdir))
@@ -383,9 +453,13 @@ def _paths_under(base: str) -> list[str]:
       path = os.path.join(top, name)
       if os.path.islink(path):
         real = os.path.realpath(path)
-        if real == real_top or real_top.startswith(real.rstrip(os.sep) +
-                                                   os.sep):
+        if real in chain or real_top.startswith(real.rstrip(os.sep) +
+                                                os.sep):
           names.remove(name)  # a loop: listed, not entered
+        else:
+          entered[path] = chain
+      else:
+        entered[path] = chain
       found.append(path if base else os.path.relpath(path, os.curdir))
   return found
 
@@ -483,27 +557,105 @@ def _size(entries: Entries) -> int:
   return sum(s for s in entries.values() if s > 0)
 
 
+_HOST_KIND_PROBLEMS = {
+    EMPTY: "is empty",
+    OTHER: "is not a CLU checkpoint directory",
+    FLAX_TRAINING: "holds Flax's checkpoint_<step> files, not CLU's",
+}
+
+
 def _host_error(base: str, hosts: Mapping[int, str],
                 candidates: Mapping[str, Entries]) -> Optional[str]:
   """Why a multihost run's hosts cannot be migrated as found, or None.
 
-  A gap in the host numbers (`-0` and `-2`, no `-1`) means a host's
-  checkpoints are missing or misnamed: migrating the others would drop
-  that host's iterator without a word. A host that cannot be listed is
-  the run's error too.
+  A gap in the host numbers (`-0` and `-2`, no `-1`; or no `-0`) means a
+  host's checkpoints are missing or misnamed: migrating the others would
+  drop that host's iterator without a word. A host that cannot be listed,
+  is empty or is not a CLU directory is the run's error too.
   """
   for host in sorted(hosts):
     entries = candidates[hosts[host]]
     if isinstance(entries, Unlistable):
       return f"cannot list {hosts[host]}: {entries.reason}"
+  problems = [f"host directory {hosts[h]} "
+              f"{_HOST_KIND_PROBLEMS[classify(candidates[hosts[h]])]}"
+              for h in sorted(hosts)
+              if classify(candidates[hosts[h]]) in _HOST_KIND_PROBLEMS]
   missing = sorted(set(range(max(hosts) + 1)) - set(hosts))
-  if not missing:
+  if missing:
+    names = ", ".join(f"{base}-{h}" for h in missing)
+    found = ", ".join(map(str, sorted(hosts)))
+    plural = "ies" if len(missing) > 1 else "y"
+    problems.insert(0, f"host director{plural} {names} missing (found hosts "
+                    f"{found})")
+  if not problems:
     return None
-  names = ", ".join(f"{base}-{h}" for h in missing)
-  found = ", ".join(map(str, sorted(hosts)))
-  plural = "ies" if len(missing) > 1 else "y"
-  return (f"host director{plural} {names} missing (found hosts {found}): "
-          "restore it, or migrate the hosts found with clu-ckpt migrate")
+  return ("; ".join(problems) + ": restore it, or migrate the hosts found "
+          "with clu-ckpt migrate")
+
+
+def _is_run_directory(entries: Entries) -> bool:
+  return classify(entries) in _MIGRATED_KINDS
+
+
+def _plan_hosts(pattern: str, base: str, hosts: Mapping[int, str],
+                candidates: Mapping[str, Entries], explicit: Optional[str]
+                ) -> tuple[Plan, set[str], set[str]]:
+  """What `<base>-<int>` directories are: hosts of one run, or not.
+
+  Returns:
+    The runs and skipped paths decided here, the paths they cover, and the
+    host directories to plan one by one as if the pattern matched them
+    (those a matched base implies, when they are not its hosts).
+  """
+  ordered = [hosts[h] for h in sorted(hosts)]
+  matched = [h for h in ordered if _matches(h, pattern)]
+  base_named = _matches(base, pattern)
+  if not base_named and not matched:
+    return Plan([], []), set(), set()  # not this pattern's
+  kinds = [classify(candidates[h]) for h in ordered]
+  # The directories only the base's name reached.
+  implied = set(ordered) - set(matched) if base_named else set()
+  if _is_run_directory(candidates.get(base)):
+    # `<base>` is a run of its own: the directories the pattern matched are
+    # runs of their own too; those only its name implies cannot be told.
+    runs = [Run(h, "Checkpoint" if kind == CLU else kind, error=(
+        f"beside {base}, itself a checkpoint directory: a host of a "
+        "MultihostCheckpoint or a run of its own? Name it with --sources "
+        f"to migrate it as a run of its own, or move {base} aside to "
+        f"migrate {base}-<N> as one MultihostCheckpoint"))
+            for h, kind in zip(ordered, kinds)
+            if h in implied and kind in (CLU, UNLISTABLE)]
+    return Plan(runs, []), {r.source for r in runs}, {
+        h for h, kind in zip(ordered, kinds)
+        if h in implied and kind not in (CLU, UNLISTABLE)}
+  if not any(kind in (CLU, UNLISTABLE) for kind in kinds):
+    return Plan([], []), set(), implied  # no CLU host: one by one
+  if matched and (0 not in hosts or explicit is not None):
+    # `exp-1`, `exp-2` matched: no host 0, no MultihostCheckpoint; a
+    # directory named with --sources is the run asked for.
+    return Plan([], []), set(), implied
+  if matched and base_named and len(hosts) > 1:
+    # `runs/*` matching `seed-0` and `seed-1`: the hosts of one run, or
+    # runs of their own? Read as hosts, seed-1's state would be lost (a
+    # MultihostCheckpoint's state is host 0's).
+    absent = "" if _is_directory(candidates.get(base)) else (
+        " (no such directory)")
+    return Plan([Run(base, "MultihostCheckpoint", ordered, error=(
+        f"{', '.join(ordered)}: the hosts of one MultihostCheckpoint {base}"
+        f"{absent}, or runs of their own? The glob matches both names; name "
+        f"them with --sources={base} (one run) or --sources="
+        f"{','.join(ordered)} (runs of their own)"))], []), {
+            base, *ordered}, set()
+  run = Run(base, "MultihostCheckpoint", ordered,
+            sum(_size(candidates[h]) for h in ordered),
+            error=_host_error(base, hosts, candidates))
+  skipped = [Skipped(h, f"{HOST_REASON}{base}", pattern) for h in matched]
+  return Plan([run], skipped), {base, *ordered}, set()
+
+
+def _is_directory(entries: Entries) -> bool:
+  return classify(entries) != NOT_DIRECTORY
 
 
 def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
@@ -522,31 +674,32 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
     The plan of this pattern.
   """
   pattern = normalize_path(pattern)
-  runs, skipped, covered = [], [], set()
-  # Multihost bases: <base>-0 a checkpoint directory, <base> itself not one.
+  runs, skipped, covered, implied = [], [], set(), set()
+  for path, entries in candidates.items():
+    if isinstance(entries, Unsearched) and explicit:
+      runs.append(Run(explicit, UNLISTABLE, error=(
+          f"cannot list {path}: {entries.reason}")))
+      return Plan(runs, [])
+    if isinstance(entries, Unsearched):  # what it holds cannot be seen
+      runs.append(Run(path, UNSEARCHED, error=(
+          f"cannot list: {entries.reason} (runs below it that {pattern} "
+          "would match cannot be seen)")))
+      covered.add(path)
+  # `<base>-<int>` directories: the hosts of a MultihostCheckpoint or not.
   groups: dict[str, dict[int, str]] = {}
   for path in candidates:
     m = _HOST_DIR_RE.match(path)
-    if m and classify(candidates[path]) != NOT_DIRECTORY:
+    if m and path not in covered and _is_directory(candidates[path]):
       groups.setdefault(m.group("base"), {})[int(m.group("host"))] = path
   for base, hosts in sorted(groups.items()):
-    named = _matches(base, pattern) or any(
-        _matches(h, pattern) for h in hosts.values())
-    if (0 not in hosts or
-        classify(candidates[hosts[0]]) not in (CLU, UNLISTABLE) or
-        not named or classify(candidates.get(base)) == CLU):
-      continue
-    ordered = [hosts[h] for h in sorted(hosts)]
-    runs.append(Run(base, "MultihostCheckpoint", ordered,
-                    sum(_size(candidates[h]) for h in ordered),
-                    error=_host_error(base, hosts, candidates)))
-    covered.add(base)
-    for h in ordered:
-      covered.add(h)
-      if _matches(h, pattern):
-        skipped.append(Skipped(h, f"{HOST_REASON}{base}", pattern))
+    plan, covers, one_by_one = _plan_hosts(pattern, base, hosts, candidates,
+                                           explicit)
+    runs += plan.runs
+    skipped += plan.skipped
+    covered |= covers
+    implied |= one_by_one
   for path, entries in candidates.items():
-    if path in covered or not _matches(path, pattern):
+    if path in covered or not (_matches(path, pattern) or path in implied):
       continue
     kind = classify(entries)
     if kind == OTHER and _flax_files_of_another_prefix(path, entries):
@@ -556,10 +709,20 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
                       nbytes=_size(entries)))
     elif kind == UNLISTABLE:  # likely a run: an error, whoever named it
       runs.append(Run(path, kind, error=f"cannot list: {entries.reason}"))
+    elif kind == OTHER and len(prefixes := _flax_prefixes(path,
+                                                          entries)) > 1:
+      runs.append(Run(path, FLAX_TRAINING, error=(
+          "Flax checkpoint files of several prefixes "
+          f"({', '.join(prefixes)}): which is the run's state cannot be "
+          "told; move each prefix's files into a directory of its own")))
     elif explicit:
       runs.append(Run(path, kind, error=_REASONS[kind]))
     else:
-      skipped.append(Skipped(path, _REASONS[kind], pattern))
+      reason = _REASONS[kind]
+      if path in implied:
+        reason += (f" (a host directory of {path.rsplit('-', 1)[0]}, "
+                   "which the glob names)")
+      skipped.append(Skipped(path, reason, pattern))
   if explicit and not runs:
     runs.append(Run(explicit, "Checkpoint", error=(
         "no such directory, and no "
@@ -582,7 +745,8 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
     is a run is not also skipped).
 
   Raises:
-    UsageError: A glob matched nothing.
+    UsageError: A glob matched nothing, or the directory its walk starts
+      from (or one above it) cannot be listed.
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   sources, globs = map(plain_local, sources), map(plain_local, globs)
@@ -591,6 +755,12 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
     plan = plan_pattern(pattern, lister(pattern))
     if not plan.runs and not plan.skipped:
       raise UsageError(f"--source-glob {pattern!r} matched nothing")
+    top = _identity(glob_prefix(pattern))
+    for run in plan.runs:
+      if run.kind == UNSEARCHED and (_identity(run.source) == top or
+                                     relative_path(top, _identity(run.source))):
+        raise UsageError(f"--source-glob {pattern!r}: {run.source}: "
+                         f"{run.error}")
     plans.append(plan)
   for source in sources:
     escaped = storage.glob_escape(normalize_path(source))
@@ -604,6 +774,7 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
       key = _identity(run.source)
       if key not in runs or (runs[key].error and not run.error):
         runs[key] = run
+  _fold_unsearched(runs)
   skipped: dict[str, Skipped] = {}
   for twice in _reached_twice(list(runs.values())):
     del runs[_identity(twice.path)]
@@ -614,6 +785,24 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
         skipped.setdefault(_identity(s.path), s)
   return Plan(sorted(runs.values(), key=lambda r: r.source),
               sorted(skipped.values(), key=lambda s: s.path))
+
+
+def _fold_unsearched(runs: dict[str, Run]) -> None:
+  """A directory that cannot be listed inside a run (`**` walked into it)
+  is that run's error: a run nested in it would go with its source. One
+  listed but not entered, with runs planned inside it, is their error (one
+  run inside another is refused)."""
+  for key, inner in list(runs.items()):
+    if inner.kind != UNSEARCHED:
+      continue
+    outer = [r for k, r in runs.items()
+             if r.kind != UNSEARCHED and relative_path(key, k)]
+    below = [r for k, r in runs.items() if relative_path(k, key)]
+    for run in outer[:1] or [r for r in below if r.kind != UNSEARCHED]:
+      why = f"cannot list {inner.source}: {inner.error.split(': ', 1)[1]}"
+      run.error = f"{run.error}; {why}" if run.error else why
+    if outer or below:
+      del runs[key]
 
 
 def _reached_twice(runs: Iterable[Run]) -> list[Skipped]:

@@ -201,13 +201,20 @@ def _name_what_the_source_keeps(entry: dict[str, Any], dry_run: bool
     return
   left = destination.checkpoints_not_migrated(entry["destination"],
                                               entry["source"])
-  if left is None or not left.names:
+  if left is None or not left.anything:
     return
-  entry["source_not_migrated"] = left.names
-  shown = ", ".join(left.names[:5]) + (
-      f" and {len(left.names) - 5} more" if len(left.names) > 5 else "")
-  note = (f"the source keeps {len(left.names)} of {left.total} checkpoint(s) "
-          f"not migrated ({shown}): do not delete it")
+  # Entries the migration does not read (an Orbax step, a run inside the
+  # run) count as what the source keeps: `sources_to_keep` follows this.
+  kept = left.names + left.entries
+  entry["source_not_migrated"] = kept
+  shown = ", ".join(kept[:5]) + (
+      f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+  what = (f"{len(left.names)} of {left.total} checkpoint(s)"
+          if left.names else "")
+  if left.entries:
+    what += (" and " if what else "") + (
+        f"{len(left.entries)} other entr{'y' if len(left.entries) == 1 else 'ies'}")
+  note = f"the source keeps {what} not migrated ({shown}): do not delete it"
   entry["warning"] = (f"{entry['warning']}; {note}" if entry.get("warning")
                       else note)
 

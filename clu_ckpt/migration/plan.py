@@ -417,11 +417,22 @@ def _state_steps_problem(numbers: Sequence[int],
 
 def dataset_tree(ckpt: SourceCheckpoint
                   ) -> tuple[Optional[dict[str, Any]], list[str]]:
-  """The `dataset` item of a checkpoint (None without tf_state)."""
+  """The `dataset` item of a checkpoint (None without tf_state).
+
+  Raises:
+    MigrationError: A CLU checkpoint without TensorFlow's `.index` on a host
+      (every CLU save writes one): its iterator state would be lost.
+  """
   from clu_ckpt import orbax_items  # pylint: disable=g-import-not-at-top
   tree, names = {}, set()
   for host, prefix in ckpt.prefixes.items():
     if not storage.exists(f"{prefix}.index"):
+      if ckpt.files is None:  # Flax's own files have no TensorFlow side
+        raise MigrationError(
+            f"{prefix}.index: missing: checkpoint {ckpt.name} has its .flax "
+            "but not TensorFlow's files, which hold its iterator state (CLU "
+            "cannot restore it either); restore them, or migrate the other "
+            "checkpoints with --number")
       continue
     files = orbax_items.read_tf_files(prefix)
     names.update(orbax_items.tf_state_names(prefix, check=True))

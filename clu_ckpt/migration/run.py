@@ -436,6 +436,10 @@ class _Writer:
         handle = flax_format.FlaxFile(ckpt.flax_path(host), read_data=False)
       result.nbytes = handle.nbytes
       record = manifest.recorded(self.src.path).get(ckpt.number)
+      if record is not None and record["step"] in existing:
+        # Recorded under another step (the naming chosen now differs: a
+        # checkpoint's state changed since): never written again.
+        step = result.step = record["step"]
       if record is not None and record["step"] not in existing:
         result.step, result.status = record["step"], "skipped"
         self.notify(Progress("skipped", ckpt.number, record["step"],

@@ -122,11 +122,19 @@ def _placeholder() -> Any:
 
 def _verify_dataset(target: orbax_target.Target, step: int,
                     ckpt: plan.SourceCheckpoint) -> None:
-  expected, _ = plan.dataset_tree(ckpt)
+  try:
+    expected, _ = plan.dataset_tree(ckpt)
+    missing = ""
+  except MigrationError as e:  # the source lost its TensorFlow files
+    expected, missing = None, str(e)
   stored = _read_back(step, target.restore_dataset, step)
   if expected is None:
     if stored is not None:
-      raise VerificationError(f"verify: step {step} has an unexpected dataset")
+      raise VerificationError(
+          f"verify: step {step} has an unexpected dataset" + (
+              f" ({missing})" if missing else ""))
+    if missing:
+      raise VerificationError(f"verify: step {step}: {missing}")
     return
   stored = stored or {}
   for key, files in expected.items():
