@@ -50,8 +50,15 @@ def _shape(names) -> set[str]:
 
 
 def _checkpoint_run(gcs, bucket, name, state, number=1):
-  """A CLU run of one `.flax` (no iterator) in the bucket; its URL."""
+  """A CLU run of one checkpoint in the bucket (its iterator's TensorFlow
+  files those of the golden single_host's ckpt-3); its URL."""
+  golden = GOLDEN / "single_host"
+  if not golden.is_dir():
+    pytest.skip(f"golden fixture {golden} is not available")
   fs = gcs.fs()
+  for suffix in ("index", "data-00000-of-00001"):
+    fs.pipe_file(f"{bucket}/{name}/ckpt-{number}.{suffix}",
+                 (golden / f"ckpt-3.{suffix}").read_bytes())
   fs.pipe_file(f"{bucket}/{name}/ckpt-{number}.flax", flax_format.save(state))
   fs.pipe_file(f"{bucket}/{name}/checkpoint", (
       f'model_checkpoint_path: "ckpt-{number}"\n'
@@ -178,7 +185,7 @@ def test_a_failed_upload_leaves_nothing_listed_and_the_next_run_finishes(
 def test_uploads_go_up_many_at_once_through_the_link(gcs, tmp_path):
   import link_proxy  # pylint: disable=g-import-not-at-top
   bucket = gcs.bucket()
-  state = _state(40)  # 5 data files of about 8 MiB
+  state = _state(64)  # data files of 8-16 MiB
   source = _checkpoint_run(gcs, bucket, "run", state)
   destination = f"gs://{bucket}/orbax"
   # Slow enough per connection that the files written meanwhile queue up.
@@ -191,6 +198,7 @@ def test_uploads_go_up_many_at_once_through_the_link(gcs, tmp_path):
     assert result.returncode == 0, result.stderr
     big = [u for u in proxy.uploads if u[1] >= 4 * 2**20]
     assert len(big) >= 4, proxy.uploads
+    assert sum(u[1] for u in big) >= state["params"]["kernel"].nbytes * 0.9
     assert proxy.max_uploads > 2, proxy.uploads
   assert orbax_root.list_steps(destination) == ([7], [])
   assert _staged_entries(tmp_path) == []
