@@ -9,6 +9,7 @@ answered from the cache. The emulator tests of the same paths are in
 """
 
 import collections
+import os
 import threading
 
 import pytest
@@ -464,3 +465,129 @@ def test_a_large_object_is_read_by_ranges_in_a_block(bucket, monkeypatch):
     assert bucket.read_bytes(url, 2, 3) == b"234"
     assert bucket.read_bytes(url, 2, 3) == b"234"
   assert bucket.store.reads == [("bk/run/ckpt-1.flax", 2, 5)] * 2
+
+
+def test_an_empty_object_is_kept_and_a_spool_of_it_asks_nothing(bucket):
+  url = _put(bucket, "run/empty", b"")
+  with bucket_cache.object_cache("gs://bk/run"):
+    spool = bucket.spool(url)  # its size is known: nothing to download
+    assert spool.size == 0 and bytes(spool.map) == b""
+    assert bucket.store.reads == []
+    assert bucket_cache.cached_object(url) is None
+    for _ in range(2):  # read whole once, then kept (0 bytes is its size)
+      assert bucket.read_bytes(url) == b""
+    assert bucket.store.reads == [("bk/run/empty", None, None)]
+    assert bucket_cache.cached_object(url)[1] == b""
+
+
+def test_a_write_or_removal_forgets_that_object_not_those_under_its_name(
+    bucket):
+  url = _put(bucket, "run/a", b"object")
+  _put(bucket, "run/b", b"b")  # the bucket stays when `a` goes
+  under = "gs://bk/run/a/x"  # (the memory store cannot hold both: kept only)
+
+  def write():
+    with bucket.atomic_writer(url) as write_:
+      write_(b"new")
+  with bucket_cache.object_cache("gs://bk/run"):
+    bucket_cache.keep_object(under, {"size": 5}, b"under")
+    for change in (lambda: bucket.remove(url),
+                   lambda: bucket.create_exclusive(url, b"again"), write):
+      if bucket.exists(url):
+        assert bucket.read_bytes(url)
+        assert bucket_cache.cached_object(url) is not None
+      change()
+      assert bucket_cache.cached_object(url) is None
+      assert bucket_cache.cached_object(under) == ({"size": 5}, b"under")
+
+
+@pytest.mark.parametrize("failure", ["removed", "unavailable"])
+def test_a_whole_download_that_fails_names_the_object(bucket, failure):
+  url = _put(bucket, "run/a", b"abc")
+
+  class HttpError(Exception):  # what gcsfs raises for a 5xx after retries
+    code = 503
+  HttpError.__module__ = "gcsfs.retry"
+  with bucket_cache.metadata_cache(), bucket_cache.object_cache("gs://bk/run"):
+    assert bucket.stat(url)[0] == 3  # the metadata kept: the next is the read
+    if failure == "removed":  # by another process, after its size was taken
+      memory.MemoryFileSystem.rm_file(bucket.store, "bk/run/a")
+    else:
+      bucket.store.fail = HttpError("Service Unavailable")
+    with pytest.raises(OSError) as raised:
+      bucket.read_bytes(url)
+  assert raised.value.filename == url
+  assert type(raised.value) is (
+      FileNotFoundError if failure == "removed" else OSError)
+  assert bucket.store.reads == [("bk/run/a", None, None)]
+
+
+def test_each_object_has_its_own_copy_whatever_it_ends_with(bucket):
+  names = ("run/a", "run/aX", "run/a ", "run/a\t", "run/XaX")
+  urls = {name: _put(bucket, name, name.encode()) for name in names}
+  with bucket_cache.object_cache("gs://bk/run"):
+    for _ in range(2):
+      for name, url in urls.items():
+        assert bucket.read_bytes(url) == name.encode(), url
+        assert bucket_cache.cached_object(url)[1] == name.encode(), url
+  assert len(bucket.store.reads) == len(names)  # each downloaded once
+
+
+def test_removing_a_tree_named_with_a_slash_forgets_its_placeholder(bucket):
+  url = _put(bucket, "run/a", b"placeholder")  # an object named like the tree
+  _put(bucket, "run/b", b"b")
+  with bucket_cache.object_cache("gs://bk/run"):
+    assert bucket.read_bytes(url) == b"placeholder"
+    bucket.remove_tree("gs://bk/run/a/")
+    with pytest.raises(FileNotFoundError) as missing:
+      bucket.read_bytes(url)
+    assert missing.value.filename == url
+    _put(bucket, "run/a", b"new")  # another process writes it again
+    assert bucket.read_bytes(url) == b"new"  # kept
+    with bucket.atomic_writer("gs://bk/run/a/") as write:  # spelt with a /
+      write(b"ours")
+    assert bucket.read_bytes(url) == b"ours"
+
+
+def test_a_large_objects_ranges_are_fetched_without_asking_for_it_whole(
+    bucket, monkeypatch, tmp_path):
+  monkeypatch.setattr(bucket_cache, "SMALL_OBJECT_BYTES", 8)
+  url = _put(bucket, "run/ckpt-1.flax", b"0123456789")
+  with bucket_cache.object_cache("gs://bk/run"), open(
+      tmp_path / "copy", "w+b") as f:
+    f.truncate(10)
+    assert bucket.fetch_into(url, f.fileno(), [(2, 5)], 10) == 1
+    assert os.pread(f.fileno(), 3, 2) == b"234"
+  # One ranged read: neither its metadata nor the whole object asked for.
+  assert bucket.store.calls == {"cat_file": 1}, bucket.store.calls
+  assert bucket.store.reads == [("bk/run/ckpt-1.flax", 2, 5)]
+
+
+class _Unavailable(Exception):  # what gcsfs raises for a 5xx after retries
+  code = 503
+
+
+_Unavailable.__module__ = "gcsfs.retry"
+
+
+def test_a_ranged_fetch_or_a_time_asked_that_fails_names_the_object(
+    bucket, tmp_path, monkeypatch):
+  url = _put(bucket, "run/ckpt-1.flax", b"0123456789")
+  bucket.store.fail = _Unavailable("Service Unavailable")
+  with open(tmp_path / "copy", "w+b") as f, pytest.raises(OSError) as raised:
+    f.truncate(10)
+    bucket.fetch_into(url, f.fileno(), [(2, 5)], 10)
+  assert (type(raised.value), raised.value.filename) == (OSError, url)
+  # The memory store's metadata has no time: stat asks for it separately.
+  with bucket_cache.metadata_cache():
+    assert bucket.stat(url)[0] == 10
+    asked = []
+
+    def modified(path):
+      asked.append(path)
+      raise _Unavailable("Service Unavailable")
+    monkeypatch.setattr(bucket.store, "modified", modified)
+    with pytest.raises(OSError) as raised:
+      bucket.stat(url)  # the metadata kept: the time is what is asked
+  assert (type(raised.value), raised.value.filename) == (OSError, url)
+  assert asked == ["bk/run/ckpt-1.flax"]

@@ -246,6 +246,10 @@ def test_has_exclusive_create(monkeypatch):
     pipe_file = 5  # TypeError
   assert not bucket_client.has_exclusive_create(NotCallable())
 
+  class NoPipeFile:  # no such method at all: no, not an AttributeError
+    pass
+  assert not bucket_client.has_exclusive_create(NoPipeFile())
+
 
 # -- errors ----------------------------------------------------------------------
 

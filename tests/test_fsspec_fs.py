@@ -31,6 +31,15 @@ def test_chooses_fsspec_for_buckets():
   assert not isinstance(storage.filesystem("/x"), fsspec_fs.FsspecFileSystem)
 
 
+def test_a_scheme_without_a_back_end_is_refused_by_name():
+  for scheme in ("ftp", "file", "s3a", ""):
+    with pytest.raises(ValueError) as raised:
+      fsspec_fs.FsspecFileSystem(scheme)
+    assert str(raised.value) == f"no fsspec back end for {scheme}://"
+  for scheme in ("GS", "gcs", "S3"):  # any case, both names of GCS
+    assert fsspec_fs.FsspecFileSystem(scheme)._scheme == scheme.lower()  # pylint: disable=protected-access
+
+
 def test_split_url():
   assert fsspec_fs.split_url("gs://b/runs/a/") == ("gs", "b", "runs/a")
   assert fsspec_fs.split_url("S3://b") == ("s3", "b", "")

@@ -25,11 +25,16 @@ _STORE_ENV = ("STORAGE_EMULATOR_HOST", "AWS_ENDPOINT_URL",
               "AWS_ENDPOINT_URL_S3", "TENSORSTORE_GCS_HTTP_URL")
 
 
-def _refusing_port() -> int:
-  """A port on 127.0.0.1 with nothing listening (connections are refused)."""
+@pytest.fixture
+def refusing_port():
+  """A port on 127.0.0.1 with nothing listening (connections are refused).
+
+  The port stays bound (not listening) for the test, so that no other
+  process (an emulator, another test run) can take it meanwhile.
+  """
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    yield s.getsockname()[1]
 
 
 @pytest.fixture
@@ -110,8 +115,8 @@ def _cli(*argv, url):
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
-def test_a_refusing_store_fails_in_one_line_in_seconds(scheme):
-  url = f"http://127.0.0.1:{_refusing_port()}"
+def test_a_refusing_store_fails_in_one_line_in_seconds(scheme, refusing_port):
+  url = f"http://127.0.0.1:{refusing_port}"
   done, seconds = _cli("inspect", f"{scheme}://bucket/run1", url=url)
   assert done.returncode == 1
   lines = done.stderr.strip().splitlines()
@@ -120,6 +125,27 @@ def test_a_refusing_store_fails_in_one_line_in_seconds(scheme):
   assert lines[0].startswith(f"clu-ckpt inspect: error: {scheme}://bucket/run1:")
   assert "connect" in lines[0].lower(), lines[0]
   assert seconds < 20, seconds
+
+
+def _in_thread(call, seconds):
+  """What `call()` raised (None if it returned), failing if it takes longer
+  than `seconds`: a hang fails the test that saw it, by name, in time (the
+  thread is left to the fixture's teardown, which closes the connection)."""
+  outcome = []
+
+  def run():
+    try:
+      call()
+      outcome.append(None)
+    except BaseException as e:  # pylint: disable=broad-except
+      outcome.append(e)
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    pytest.fail(f"still waiting for the store after {seconds} s: the first "
+                "contact is not bounded")
+  return outcome[0]
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
@@ -131,11 +157,11 @@ def test_a_silent_store_gets_one_bounded_try(scheme, silent_port, monkeypatch):
   monkeypatch.setattr(bucket_client, "FIRST_CONTACT_SECONDS", 3.0)
   fs = fsspec_fs.FsspecFileSystem(scheme)
   started = time.monotonic()
-  with pytest.raises(fsspec_fs.StoreUnreachableError) as raised:
-    fs.listdir(f"{scheme}://bucket/run1")
+  raised = _in_thread(lambda: fs.listdir(f"{scheme}://bucket/run1"), 30)
   seconds = time.monotonic() - started
-  assert raised.value.filename == f"{scheme}://bucket/run1"
-  assert "no answer from the store at http://127.0.0.1:" in str(raised.value)
+  assert isinstance(raised, fsspec_fs.StoreUnreachableError), raised
+  assert raised.filename == f"{scheme}://bucket/run1"
+  assert "no answer from the store at http://127.0.0.1:" in str(raised)
   # 3 s to answer, plus the client's own set-up (its first session, an
   # import) on a loaded machine; the clients alone wait 5 minutes.
   assert seconds < 30, seconds
@@ -156,15 +182,36 @@ def test_once_the_store_answered_its_client_retries_again(gcs):
   fs = fsspec_fs.FsspecFileSystem("gs")
   client = fs.fs
   assert not client._answered  # pylint: disable=protected-access
-  assert not fs.exists(f"gs://{gcs.bucket()}/nothing")   # a 404 is an answer
+  bucket = gcs.bucket()
+  assert not fs.exists(f"gs://{bucket}/nothing")   # a 404 is an answer
   assert client._answered  # pylint: disable=protected-access
+  # From then on gcsfs' own request, with all it is given: path parts,
+  # parameters, headers, a body.
+  client.pipe_file(f"{bucket}/run/a", b"0123456789")
+  client.pipe_file(f"{bucket}/run/sub/b", b"b")
+  assert client.cat_file(f"{bucket}/run/a", start=2, end=5) == b"234"
+  assert fs.listdir(f"gs://{bucket}/run") == ["a", "sub"]
+  assert fs.stat(f"gs://{bucket}/run/a")[0] == 10
+
+
+def test_a_gcs_first_contact_is_made_with_all_it_is_given(gcs):
+  bucket = gcs.bucket()
+  writer = fsspec_fs.FsspecFileSystem("gs").fs
+  writer.pipe_file(f"{bucket}/run/a", b"0123456789")
+  writer.pipe_file(f"{bucket}/run/sub/b", b"b")
+  fresh = fsspec_fs.FsspecFileSystem("gs")
+  assert fresh.listdir(f"gs://{bucket}/run") == ["a", "sub"]  # path parts
+  fresh = fsspec_fs.FsspecFileSystem("gs").fs
+  assert not fresh._answered  # pylint: disable=protected-access
+  assert fresh.cat_file(f"{bucket}/run/a", start=2, end=5) == b"234"  # headers
 
 
 @pytest.mark.parametrize("scheme", ["gs", "s3"])
-def test_the_file_systems_copy_like_fsspecs_own(scheme, monkeypatch):
+def test_the_file_systems_copy_like_fsspecs_own(scheme, monkeypatch,
+                                                refusing_port):
   # fsspec rebuilds a file system from `__reduce__` (copies, processes that
   # are handed one): the class must be found again by its module and name.
-  _store_env(monkeypatch, f"http://127.0.0.1:{_refusing_port()}")
+  _store_env(monkeypatch, f"http://127.0.0.1:{refusing_port}")
   client = fsspec_fs.FsspecFileSystem(scheme).fs
   duplicate = copy.deepcopy(client)
   assert type(duplicate) is type(client) and not duplicate._answered  # pylint: disable=protected-access
@@ -259,3 +306,132 @@ def test_a_glob_names_the_directory_before_its_first_wildcard():
   # A wildcard in the bucket's name: the pattern itself.
   assert searched("gs://b*/run") == "gs://b*/run"
   assert searched("gs://*") == "gs://*"
+
+
+@pytest.fixture
+def scripted_port():
+  """An HTTP server answering with the statuses in `script`, in turn.
+
+  Yields:
+    (port, script, hits, hold): `script` a list to fill with statuses (an
+    empty list: 200 to everything), `hits` the paths asked, `hold` an Event
+    each answer waits for (set: no wait).
+  """
+  script, hits = [], []
+  hold = threading.Event()
+  hold.set()
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+
+    def do_GET(self):  # pylint: disable=invalid-name
+      hits.append(self.path)
+      assert hold.wait(30)
+      status = script.pop(0) if script else 200
+      body = b"data" if status == 200 else (
+          b'{"error": {"code": %d, "message": "busy"}}' % status)
+      self.send_response(status)
+      self.send_header("Content-Type", "application/octet-stream"
+                       if status == 200 else "application/json")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  yield server.server_address[1], script, hits, hold
+  hold.set()
+  server.shutdown()
+  server.server_close()
+
+
+@pytest.mark.parametrize("first", [200, 503])
+def test_a_gcs_store_retries_as_gcsfs_does_from_its_first_answer(
+    first, scripted_port, monkeypatch):
+  port, script, hits, _ = scripted_port
+  _store_env(monkeypatch, f"http://127.0.0.1:{port}")
+  client = fsspec_fs.FsspecFileSystem("gs").fs
+  # The first answer, a success or an error status: no retry of it.
+  script.extend([first, 503, 200])
+  if first == 200:
+    assert client.cat_file("bucket/x") == b"data"
+  else:
+    with pytest.raises(Exception) as raised:  # gcsfs' HttpError
+      client.cat_file("bucket/x")
+    assert bucket_client.status_of(raised.value) == 503
+  assert len(hits) == 1 and client._answered  # pylint: disable=protected-access
+  # From then on gcsfs' own retries: a 503 is asked again (after ~1-2 s).
+  assert client.cat_file("bucket/x") == b"data"
+  assert len(hits) == 3, hits
+
+
+def test_a_gcs_first_contact_has_short_timeouts_then_the_clients_own(
+    scripted_port, monkeypatch):
+  import aiohttp  # pylint: disable=g-import-not-at-top
+  port, _, hits, hold = scripted_port
+  _store_env(monkeypatch, f"http://127.0.0.1:{port}")
+  monkeypatch.setattr(bucket_client, "FIRST_CONTACT_SECONDS", 6.0)
+  client = bucket_client.FirstContactGCSFileSystem(
+      token="anon", skip_instance_cache=True, requests_timeout=77)
+  hold.clear()  # the store's answer waits while the request is looked at
+  got = []
+  reader = threading.Thread(target=lambda: got.append(
+      client.cat_file("bucket/x")))
+  reader.start()
+  try:
+    deadline = time.monotonic() + 30
+    while not hits and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert hits, "the request never arrived"
+    # Half the deadline to connect, the deadline to read, no total.
+    assert client.requests_timeout == aiohttp.ClientTimeout(
+        total=None, sock_connect=3.0, sock_read=6.0)
+  finally:
+    hold.set()
+    reader.join(30)
+  assert got == [b"data"]
+  assert client.requests_timeout == 77  # the client's own again
+
+
+def test_an_s3_first_contact_is_tried_once_by_s3fs(monkeypatch):
+  # A store that answers every request "SlowDown" (503), which s3fs would
+  # try again as a whole (botocore told to make one attempt of each).
+  hits = []
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+
+    def do_GET(self):  # pylint: disable=invalid-name
+      hits.append(self.path)
+      body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown'
+              b'</Code><Message>Please reduce your request rate.</Message>'
+              b'<RequestId>1</RequestId></Error>')
+      self.send_response(503)
+      self.send_header("Content-Type", "application/xml")
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    _store_env(monkeypatch, f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    client = fsspec_fs.FsspecFileSystem("s3").fs
+    with pytest.raises(OSError):
+      client.ls("bucket")
+    assert len(hits) == 1, hits
+    assert client._answered  # pylint: disable=protected-access
+    hits.clear()  # answered: s3fs' own retries from now on
+    client.retries = 2  # (5 by default, 2 s of waits)
+    with pytest.raises(OSError):
+      client.ls("bucket")
+    assert len(hits) == 2, hits
+  finally:
+    server.shutdown()
+    server.server_close()

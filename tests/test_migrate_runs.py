@@ -630,3 +630,237 @@ def test_a_killed_fleet_leaves_the_report_of_what_finished(tmp_path):
   while _workers_in(tmp_path):
     assert time.monotonic() < deadline, "the worker outlived the fleet"
     time.sleep(0.1)
+
+
+def _bytes_named_fleet(tmp_path):
+  """runs/ok and runs/b"bad\\xff": real CLU runs; the second's name (as
+  Python lists it: "bad\\udcff")."""
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  bad = os.fsdecode(b"bad\xff")
+  for name in ("ok", "other"):
+    checkpoint.Checkpoint(str(tmp_path / "runs" / name)).save(
+        example_state(1))
+  os.rename(tmp_path / "runs" / "other", tmp_path / "runs" / bad)
+  return bad
+
+
+def _strict_script(*args, cwd):
+  """`_script` with an output that refuses what is not UTF-8 (a UTF-8
+  locale's; C.UTF-8 would pass the bytes)."""
+  return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(_environment(),
+                                 PYTHONIOENCODING="utf-8:strict"))
+
+
+def test_a_dry_run_names_a_run_not_utf8_escaped(tmp_path):
+  """Its plan (shards hash the name's bytes) and lines name it `\\xff`."""
+  clu_dir(tmp_path, "runs/ok")
+  clu_dir(tmp_path, os.fsdecode(b"runs/bad\xff"))
+  run = _strict_script("--source-glob=runs/*", "--destination-root=orbax",
+                       "--num-shards=2", "--shard-index=0", "--dry-run",
+                       cwd=tmp_path)
+  other = _strict_script("--source-glob=runs/*", "--destination-root=orbax",
+                         "--num-shards=2", "--shard-index=1", "--dry-run",
+                         cwd=tmp_path)
+  assert not run.stderr and not other.stderr, run.stderr + other.stderr
+  lines = run.stdout.splitlines() + other.stdout.splitlines()
+  assert [l for l in lines if "bad" in l] == [
+      "cannot migrate runs/bad\\xff: its destination orbax/bad\\xff is not "
+      "valid UTF-8 (the source's name holds bytes that are not): Orbax's "
+      "TensorStore writes UTF-8 names only; rename the source and migrate it "
+      "again"], lines
+  assert "would migrate runs/ok -> orbax/ok (Checkpoint, " in run.stdout + (
+      other.stdout)
+
+
+@pytest.mark.thorough
+def test_a_run_named_in_bytes_not_utf8_is_an_error_naming_it(tmp_path):
+  """The fleet goes on with the others; that run is an error naming it,
+  escaped (`\\xff` in the lines, the surrogate `\\udcff` in the JSON
+  report, from which `os.fsencode` gives the bytes back), even where the
+  output refuses what is not UTF-8."""
+  bad = _bytes_named_fleet(tmp_path)
+  run = _strict_script("--source-glob=runs/*", "--destination-root=orbax",
+                       "--report=report.json", "--parallelism=1",
+                       cwd=tmp_path)
+  assert run.returncode == 1 and not run.stderr, run.stderr
+  text = (tmp_path / "report.json").read_text()
+  assert "runs/bad\\udcff" in text  # the JSON escape of the surrogate
+  runs = {r["source"]: r for r in json.loads(text)["runs"]}
+  assert sorted(runs) == [f"runs/{bad}", "runs/ok"]
+  assert os.fsencode(runs[f"runs/{bad}"]["source"]) == b"runs/bad\xff"
+  assert runs[f"runs/{bad}"]["status"] == "error"
+  assert "not valid UTF-8" in runs[f"runs/{bad}"]["error"]
+  assert runs["runs/ok"]["status"] == "ok"
+  assert (tmp_path / "orbax" / "ok" / "1").is_dir()
+  assert not (tmp_path / "orbax" / bad).exists()
+  assert re.search(r"\] runs/bad\\xff error \(0 s\): its destination "
+                   r"orbax/bad\\xff is not valid UTF-8", run.stdout), run.stdout
+
+
+# --------------------------------------------------------------------------
+# Merging the shard reports of a launch.
+# --------------------------------------------------------------------------
+
+
+def _launch(tmp_path, runs, shards, num_shards, report="reports/shard-{}.json",
+            env=None):
+  """Runs shards `shards` of a fleet of `runs` (empty directories named by
+  `--sources`: each an error run at once, no worker started); asserts each
+  ended (exit 1, its runs in error)."""
+  for name in runs:
+    (tmp_path / "runs" / name).mkdir(parents=True, exist_ok=True)
+  for index in shards:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT),
+         "--sources=" + ",".join(f"runs/{n}" for n in runs),
+         "--source-root=runs", "--destination-root=orbax",
+         f"--num-shards={num_shards}", f"--shard-index={index}",
+         f"--report={report.format(index)}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=dict(_environment(), **(env or {})))
+    assert done.returncode == 1 and not done.stderr, done.stderr
+
+
+def _merge(tmp_path, *reports):
+  """`--merge-reports=reports/all.json REPORT...`: (process, report)."""
+  done = _script("--merge-reports=reports/all.json", *reports, cwd=tmp_path)
+  assert done.returncode in (0, 1), done.stderr
+  return done, json.loads((tmp_path / "reports" / "all.json").read_text())
+
+
+def test_a_merge_takes_no_stale_shard_report_for_a_shard_never_run(tmp_path):
+  """The guide's /reports/shard-$IDX.json, relaunched after a run's source
+  was deleted and runs were added: shard 1's pod never starts, its report
+  of the first launch is there. Not merged: shard 1 missing, the runs of
+  the new plan that shard 1 holds listed as not migrated."""
+  first = ["A", "B", "C", "D", "F"]
+  _launch(tmp_path, first, [0, 1], 2)
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged.get("stale_reports", []) == [] and merged["complete"]
+  assert merged["missing_shards"] == []
+  assert len(merged["runs"]) == merged["fleet_size"] == 5
+  second = ["B", "C", "D", "F", "E", "K"]
+  _launch(tmp_path, second, [0], 2)
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert done.returncode == 1
+  assert not merged["ok"] and not merged["complete"]
+  assert merged["missing_shards"] == [1]
+  assert [s["report"] for s in merged["stale_reports"]] == [
+      "reports/shard-1.json"]
+  assert "another run list (5 runs, not 6" in merged["stale_reports"][0][
+      "reason"]
+  assert ("not merged: reports/shard-1.json: from another launch than "
+          "reports/shard-0.json") in done.stdout, done.stdout
+  from clu_ckpt.migration import fleet_assignment  # pylint: disable=g-import-not-at-top
+  in_shard_1 = sorted(f"runs/{n}" for n in second
+                      if fleet_assignment.shard_of(f"runs/{n}", 2) == 1)
+  assert in_shard_1  # the fixture's point: shard 1 holds runs of the plan
+  runs = {r["source"]: r for r in merged["runs"]}
+  assert sorted(runs) == sorted(f"runs/{n}" for n in second)
+  assert sorted(s for s, r in runs.items() if r["status"] == "missing") == (
+      in_shard_1)
+  assert "runs/A" not in runs and merged["fleet_size"] == 6
+  assert (f"{len(in_shard_1)} run(s) of the fleet in no report of this "
+          "launch, not migrated: ") in done.stdout
+  assert "note: this launch has no --launch-id" in done.stdout
+
+
+def test_a_merge_with_mixed_shard_counts_still_finds_missing_shards(tmp_path):
+  """Three shards launched, then two with shard 1 never run: every report
+  of the first launch is stale, shard 1 of the second is missing."""
+  _launch(tmp_path, ["A", "B", "C", "D"], [0, 1, 2], 3,
+          report="reports/launch1-shard-{}.json")
+  _launch(tmp_path, ["A", "B", "C", "D", "E"], [0], 2,
+          report="reports/launch2-shard-{}.json")
+  done, merged = _merge(tmp_path, *sorted(
+      str(p.relative_to(tmp_path))
+      for p in (tmp_path / "reports").glob("launch*.json")))
+  assert done.returncode == 1 and not merged["ok"] and not merged["complete"]
+  assert merged["missing_shards"] == [1] and merged["num_shards"] == 2
+  assert sorted(s["report"] for s in merged["stale_reports"]) == [
+      f"reports/launch1-shard-{i}.json" for i in range(3)]
+  assert all("3 shards, not 2" in s["reason"]
+             for s in merged["stale_reports"])
+  assert [m["report"] for m in merged["merged_from"]] == [
+      "reports/launch2-shard-0.json"]
+
+
+def test_a_merge_tells_launches_apart_by_their_id(tmp_path):
+  """The same command launched twice (same runs, same shards): one launch
+  unless their ids differ (`$CLU_CKPT_FLEET_LAUNCH_ID`, `--launch-id`)."""
+  runs = ["A", "B", "C"]
+  _launch(tmp_path, runs, [0, 1], 2, env={"CLU_CKPT_FLEET_LAUNCH_ID": "job-1"})
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged["missing_shards"] == [] and merged["complete"]
+  assert merged.get("stale_reports", []) == []
+  _launch(tmp_path, runs, [1], 2, env={"CLU_CKPT_FLEET_LAUNCH_ID": "job-2"})
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged["missing_shards"] == [0] and not merged["complete"]
+  assert merged["launch"]["id"] == "job-2"
+  assert "no --launch-id" not in done.stdout
+  assert [(s["report"], s["reason"]) for s in merged["stale_reports"]] == [
+      ("reports/shard-0.json", "from another launch than "
+       "reports/shard-1.json (the newest): launch id 'job-1', not 'job-2'")]
+
+
+@pytest.mark.thorough
+def test_a_relaunch_with_a_shard_never_run_is_not_ok(tmp_path):
+  """Real runs, all migrated ok by the first launch; its shard 1 report
+  stays when the relaunch's shard 1 never runs: the merge is neither ok
+  nor complete (exit 1) and names the runs that launch did not migrate."""
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from clu_ckpt.migration import fleet_assignment  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  def launch(shards):
+    for index in shards:
+      done = _script("--source-glob=runs/*", "--destination-root=orbax",
+                     "--num-shards=2", f"--shard-index={index}",
+                     "--parallelism=1", f"--report=reports/shard-{index}.json",
+                     cwd=tmp_path)
+      assert done.returncode == 0, done.stderr[-3000:]
+
+  for name in ("A", "B", "C"):
+    checkpoint.Checkpoint(str(tmp_path / "runs" / name)).save(
+        example_state(1))
+  launch([0, 1])
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert done.returncode == 0 and merged["ok"] and merged["complete"]
+  shutil.rmtree(tmp_path / "runs" / "A")  # migrated ok: deleted
+  new = next(f"N{i}" for i in range(100)
+             if fleet_assignment.shard_of(f"runs/N{i}", 2) == 1)
+  checkpoint.Checkpoint(str(tmp_path / "runs" / new)).save(example_state(2))
+  launch([0])
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert done.returncode == 1 and not merged["ok"] and not merged["complete"]
+  assert merged["missing_shards"] == [1]
+  runs = {r["source"]: r["status"] for r in merged["runs"]}
+  assert runs[f"runs/{new}"] == "missing" and "runs/A" not in runs
+  assert not (tmp_path / "orbax" / new).exists()
+
+
+def test_a_merge_takes_no_report_without_a_launch(tmp_path):
+  """A shard report of an earlier version (no "launch"): which launch it
+  is from cannot be told; it is listed as stale, not merged."""
+  _launch(tmp_path, ["A", "B", "C"], [0, 1], 2)
+  path = tmp_path / "reports" / "shard-1.json"
+  old = json.loads(path.read_text())
+  del old["launch"]
+  path.write_text(json.dumps(old))
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged["missing_shards"] == [1] and not merged["complete"]
+  assert [s["report"] for s in merged["stale_reports"]] == [
+      "reports/shard-1.json"]
+  assert "no launch identity" in merged["stale_reports"][0]["reason"]
+  assert done.returncode == 1

@@ -734,6 +734,7 @@ def test_progress_on_a_terminal_rewrites_one_line():
 def _report(root, index, num_shards, sources, created, status="ok",
             fleet_size=3):
   return {"created": created, "destination_root": root,
+          "launch": {"fingerprint": f"launch of {num_shards}", "id": None},
           "fleet_size": fleet_size, "num_shards": num_shards,
           "shard_index": index,
           "runs": [{"source": s, "status": status, "shard": index}

@@ -70,8 +70,17 @@ fleet), so a killed fleet leaves the report of what finished. It lists every
 run of the shard (source, destination, shard, status "ok", "failed" (some
 checkpoint failed), "error" (the run could not be migrated, or its worker
 died), "interrupted" or "pending", seconds, the migration's summary) and
-every skipped path with its reason. `--merge-reports=OUT REPORT...` merges
-shard reports, partial ones included.
+every skipped path with its reason, the launch (a fingerprint of the
+roots, shard count, options, the fleet's run list and `--launch-id`, which
+every shard computes alike) and, sharded, the fleet's run list.
+`--merge-reports=OUT REPORT...` merges the shard reports (partial ones
+included) of the newest launch: a report of another launch is not merged
+but listed as stale, and makes the merge not ok; so do shards missing, and
+the runs of the fleet no report covers are listed as "missing".
+
+Names: a local name that is not UTF-8 is shown with its bytes escaped
+(`\xff` in the lines, `\udcff` in the JSON report); TensorStore cannot
+write such a destination, so that run is an error naming it.
 
 Stopping: the first Ctrl-C, SIGTERM or SIGHUP (a terminal that hung up)
 starts no new run; the runs under way abandon their current step (nothing
@@ -123,11 +132,15 @@ from clu_ckpt.migration.fleet_discovery import Run
 from clu_ckpt.migration.fleet_report import count_statuses
 from clu_ckpt.migration.fleet_report import sources_to_keep
 from clu_ckpt.migration.fleet_report import FINISHED
+from clu_ckpt.migration.fleet_report import MISSING
 from clu_ckpt.migration.fleet_report import format_bytes
+from clu_ckpt.migration.fleet_report import launch_identity
+from clu_ckpt.migration.fleet_report import LAUNCH_ENV
 from clu_ckpt.migration.fleet_report import load_report
 from clu_ckpt.migration.fleet_report import merge_reports
 from clu_ckpt.migration.fleet_report import now as _now
 from clu_ckpt.migration.fleet_report import prepare_report
+from clu_ckpt.migration.fleet_report import printable
 from clu_ckpt.migration.fleet_report import ProgressPrinter
 from clu_ckpt.migration.fleet_report import ReportWriter
 from clu_ckpt.migration.fleet_report import SurvivingOutput
@@ -214,6 +227,11 @@ def build_parser(prog: str = PROG
   fleet.add_argument("--report", metavar="FILE",
                      help="the JSON report (default migration_report.json, "
                      "or migration_report-<I>-of-<N>.json for a shard)")
+  fleet.add_argument("--launch-id", metavar="ID",
+                     default=os.environ.get(LAUNCH_ENV) or None,
+                     help="names this launch of a sharded fleet, the same on "
+                     "every shard (default ${LAUNCH_ENV}); --merge-reports "
+                     "merges the reports of one launch only")
   fleet.add_argument("--merge-reports", metavar="OUT",
                      help="migrate nothing: merge the reports given as "
                      "arguments into OUT")
@@ -292,11 +310,27 @@ def run_merge(args: argparse.Namespace) -> int:
   prepare_report(args.merge_reports, "--merge-reports")
   merged = merge_reports([(p, load_report(p)) for p in args.reports])
   write_report(args.merge_reports, merged)
+  for stale in merged["stale_reports"]:
+    print(printable(f"not merged: {stale['report']}: {stale['reason']}"),
+          flush=True)
+  absent = [r["source"] for r in merged["runs"] if r["status"] == MISSING]
+  if absent:
+    shown = ", ".join(absent[:5]) + (f" and {len(absent) - 5} more"
+                                     if len(absent) > 5 else "")
+    print(printable(f"{len(absent)} run(s) of the fleet in no report of this "
+                    f"launch, not migrated: {shown}"), flush=True)
+  if merged["num_shards"] > 1 and not (merged["launch"] or {}).get("id"):
+    print("note: this launch has no --launch-id: a report of an earlier "
+          "launch identical to it (same runs, shard count and options) "
+          "would pass as its own", flush=True)
   counts = merged["counts"]
   others = "".join(f", {n} {s}" for s, n in counts.items()
                    if s not in FINISHED)
   missing = (f"; shards missing: {merged['missing_shards']}"
              if merged["missing_shards"] else "")
+  if merged["stale_reports"]:
+    missing += (f"; {len(merged['stale_reports'])} report(s) of another "
+                "launch not merged")
   print(f"{len(merged['runs'])} of {merged['fleet_size']} run(s): "
         f"{counts['ok']} ok, {counts['failed']} failed, {counts['error']} "
         f"error{others}{missing}; report: {args.merge_reports}")
@@ -355,6 +389,7 @@ class _Shard:
                                                       shard_index)
     self.entries: dict[str, dict[str, Any]] = {}
     self.created = _now()
+    self.launch: dict[str, Any] = {}
 
   def plan(self) -> tuple[Plan, list[Run], str]:
     """(the fleet's plan, this shard's runs, the source root)."""
@@ -379,6 +414,12 @@ class _Shard:
                               sources)
     plan = plan_fleet(sources, args.source_glob)
     assign_destinations(plan.runs, root, args.destination_root)
+    for run in plan.runs:
+      if run.error is None:
+        run.error = _unwritable_name(run.destination)
+    self.launch = launch_identity(
+        args.destination_root, root, self.num_shards, self.options,
+        [r.source for r in plan.runs], args.launch_id)
     mine = set(shard_sources([r.source for r in plan.runs], self.num_shards,
                              self.shard_index))
     return plan, [r for r in plan.runs if r.source in mine], root
@@ -392,12 +433,13 @@ class _Shard:
           "status": "pending"}
       entries.append(dict(entry, shard=self.shard_index, kind=run.kind,
                           source_bytes=run.nbytes))
-    return {
+    report = {
         "created": self.created,
         "updated": _now(),
         "complete": complete,
         "destination_root": self.args.destination_root,
         "source_root": root,
+        "launch": self.launch,
         "fleet_size": len(plan.runs),
         "num_shards": self.num_shards,
         "shard_index": self.shard_index,
@@ -407,6 +449,23 @@ class _Shard:
         "runs": entries,
         "skipped": [dataclasses.asdict(s) for s in plan.skipped],
     }
+    if self.num_shards > 1:  # the whole fleet: what the merge must find
+      report["plan"] = sorted(r.source for r in plan.runs)
+    return report
+
+
+def _unwritable_name(destination: str) -> Optional[str]:
+  """Why a run cannot be migrated into `destination`: a name that is not
+  UTF-8 (its source's, under a local file system), which TensorStore cannot
+  write; None when it can."""
+  try:
+    destination.encode("utf-8")
+  except UnicodeEncodeError:
+    return (f"its destination {printable(destination)} is not valid UTF-8 "
+            "(the source's name holds bytes that are not): Orbax's "
+            "TensorStore writes UTF-8 names only; rename the source and "
+            "migrate it again")
+  return None
 
 
 def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
@@ -429,7 +488,7 @@ def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
     if not dry_run and s.reason.startswith(HOST_REASON):
       host_dirs += 1
     else:
-      print(f"skipped {s.path}: {s.reason}", file=out)
+      print(printable(f"skipped {s.path}: {s.reason}"), file=out)
   if host_dirs:
     plural = "y" if host_dirs == 1 else "ies"
     print(f"skipped {host_dirs} host director{plural} of the runs listed "
@@ -438,11 +497,12 @@ def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
     return
   for run in runs:
     if run.error:
-      print(f"cannot migrate {run.source}: {run.error}", file=out)
+      print(printable(f"cannot migrate {run.source}: {run.error}"), file=out)
       continue
     hosts = f", {len(run.hosts)} hosts" if run.hosts else ""
-    print(f"would migrate {run.source} -> {run.destination} ({run.kind}"
-          f"{hosts}, {format_bytes(run.nbytes)})", file=out)
+    print(printable(f"would migrate {run.source} -> {run.destination} "
+                    f"({run.kind}{hosts}, {format_bytes(run.nbytes)})"),
+          file=out)
 
 
 def run_shard(args: argparse.Namespace, options: Mapping[str, Any],

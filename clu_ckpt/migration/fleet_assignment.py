@@ -250,13 +250,15 @@ def shard_of(source: str, num_shards: int) -> int:
   independent of the other sources.
 
   Args:
-    source: A run's source path, as listed.
+    source: A run's source path, as listed (a local name that is not
+      UTF-8 holds its bytes as surrogates: hashed as those bytes).
     num_shards: The shard count (>= 1).
 
   Returns:
     Its shard index, in [0, num_shards).
   """
-  digest = hashlib.sha256(source.encode("utf-8")).digest()
+  digest = hashlib.sha256(
+      source.encode("utf-8", "surrogateescape")).digest()
   return int.from_bytes(digest[:8], "big") % num_shards
 
 

@@ -20,7 +20,10 @@ migration summary, and every skipped path with its reason; "complete" is
 true once the shard ended without being stopped. It is written atomically
 after every finished run (`ReportWriter` bounds what that costs a huge
 fleet), so a killed fleet leaves a report of what finished;
-`merge_reports` accepts such partial reports.
+`merge_reports` accepts such partial reports. Each report records its
+launch (`launch_identity`, the same on every shard of one launch);
+`merge_reports` merges one launch, lists the reports of others as stale
+and the runs of its fleet no report covers as "missing".
 
 Progress: one line per finished run, in binary units, e.g.
 `[3/12] /runs/a/checkpoints ok (4 steps, 1.2 GiB, 35 s); 3.4 GiB of 9.0 GiB,
@@ -31,6 +34,7 @@ not ok keep their line); elsewhere (a log, a pipe) one plain line per run.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import io
 import json
 import os
@@ -83,6 +87,25 @@ def format_seconds(seconds: float) -> str:
       f"{minutes // 60} h {minutes % 60} min")
 
 
+def printable(text: str) -> str:
+  r"""`text` as a line can show it: a name's bytes that are not UTF-8 escaped.
+
+  A local name that is not UTF-8 reaches Python holding those bytes as
+  surrogates ("bad\udcff" for the bytes b"bad\xff"), which a UTF-8 output
+  refuses. Lines show each such byte as `\xNN`; the JSON report keeps the
+  surrogate, escaped as `\udcNN` (`os.fsencode` gives the bytes back).
+
+  Args:
+    text: A path or a message naming one.
+
+  Returns:
+    E.g. "/runs/bad\\xff" for "/runs/bad\udcff"; `text` itself when it is
+    valid UTF-8.
+  """
+  return text.encode("utf-8", "surrogateescape").decode("utf-8",
+                                                         "backslashreplace")
+
+
 def describe_run(entry: Mapping[str, Any]) -> str:
   """A finished run in one line.
 
@@ -97,7 +120,8 @@ def describe_run(entry: Mapping[str, Any]) -> str:
   details.append(format_seconds(entry.get("seconds", 0)))
   note = entry.get("error") or entry.get("warning")
   note = f": {note}" if note else ""
-  return f"{entry['source']} {entry['status']} ({', '.join(details)}){note}"
+  return printable(
+      f"{entry['source']} {entry['status']} ({', '.join(details)}){note}")
 
 
 def _step_details(steps: Optional[Sequence[Mapping[str, Any]]]) -> list[str]:
@@ -204,9 +228,17 @@ class SurvivingOutput:
     self.lost = False
 
   def write(self, text: str) -> int:
-    """Writes `text`, or drops it once the stream is gone."""
+    """Writes `text` (names that are not UTF-8 escaped, `printable`), or
+    drops it once the stream is gone."""
     try:
-      return self._stream.write(text)
+      try:
+        return self._stream.write(text)
+      except UnicodeEncodeError:  # nothing was written: the text is encoded
+        try:                      # before it is written
+          return self._stream.write(printable(text))
+        except UnicodeEncodeError:  # an ASCII stream
+          return self._stream.write(printable(text).encode(
+              "ascii", "backslashreplace").decode("ascii"))
     except OSError:
       self._lose()
       return len(text)
@@ -243,9 +275,10 @@ class SurvivingOutput:
 
 
 def now() -> str:
-  """The time now (UTC), as the reports write it."""
+  """The time now (UTC), as the reports write it (to the microsecond: the
+  merge takes the launch of the newest shard report)."""
   return datetime.datetime.now(datetime.timezone.utc).isoformat(
-      timespec="seconds")
+      timespec="microseconds")
 
 
 def sources_to_keep(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -442,24 +475,78 @@ def load_report(path: str) -> dict[str, Any]:
   return report
 
 
+# The environment variable naming a launch (`--launch-id`'s default).
+LAUNCH_ENV = "CLU_CKPT_FLEET_LAUNCH_ID"
+# Options that tune one machine, not what is written: a launch's shards may
+# differ in them.
+_MACHINE_OPTIONS = ("max_inflight_mib",)
+# The status of a run of the plan that no report of its launch covers.
+MISSING = "missing"
+
+
+def launch_identity(destination_root: str, source_root: str,
+                    num_shards: int, options: Mapping[str, Any],
+                    sources: Sequence[str],
+                    launch_id: Optional[str] = None) -> dict[str, Any]:
+  """What every shard of one launch of a fleet shares, computed by each.
+
+  A fingerprint (SHA-256) of the destination and source roots, the shard
+  count, the options that change what is written, the whole fleet's run
+  list and `launch_id`: shards started with the same command on the same
+  runs agree on it, a launch with another shard count, other runs or
+  another id does not. Two launches identical in all of these are one
+  launch, unless given different ids.
+
+  Args:
+    destination_root: `--destination-root`.
+    source_root: The source root in use.
+    num_shards: The shard count.
+    options: The `clu-ckpt migrate` option values.
+    sources: Every run of the fleet (all shards).
+    launch_id: `--launch-id` (or `$CLU_CKPT_FLEET_LAUNCH_ID`), if any.
+
+  Returns:
+    {"fingerprint": hex digest, "id": launch_id}.
+  """
+  scheme = split_url(destination_root)[0]
+  root = (destination_root.rstrip("/") if scheme else
+          os.path.normpath(destination_root))
+  fields = json.dumps(
+      [root, source_root, num_shards, launch_id,
+       {k: v for k, v in options.items() if k not in _MACHINE_OPTIONS}],
+      sort_keys=True)
+  digest = hashlib.sha256(fields.encode("utf-8", "surrogateescape"))
+  for source in sorted(sources):
+    digest.update(b"\0" + source.encode("utf-8", "surrogateescape"))
+  return {"fingerprint": digest.hexdigest(), "id": launch_id}
+
+
 def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
                   ) -> dict[str, Any]:
-  """Merges shard reports of one fleet (partial ones too) into one report.
+  """Merges shard reports of one launch (partial ones too) into one report.
+
+  The launch merged is that of the newest shard report with a launch
+  identity ("created"; a merged report given counts as its shard
+  reports). A report of another launch ("launch": another shard count, run
+  list, options or launch id), or without a launch identity, is stale:
+  listed in "stale_reports" with why, its runs not merged, and the merged
+  report neither ok nor complete.
 
   Args:
     reports: (path, report) pairs. When a source is in several, a finished
       entry ("ok", "failed", "error") wins over an unfinished one
-      ("pending", "interrupted"); among equals, that of the newest report
-      ("created"; ties: the later pair).
+      ("pending", "interrupted", "missing"); among equals, that of the
+      newest report ("created"; ties: the later pair).
 
   Returns:
-    The merged report: every run with its "shard", every skipped path, the
-    shard reports merged ("merged_from"; a merged report given as input
-    stands for the shard reports it merged), the shards missing (when all
-    agree on the shard count), counts, "complete" (every report was),
-    "ok" (every run ok, no shard missing, no run of the fleet missing) and
-    "sources_to_keep" (`sources_to_keep`: runs ok whose source keeps
-    checkpoints not migrated).
+    The merged report: every run of the launch's plan with its "shard"
+    (a run no report of the launch covers: status "missing"), every
+    skipped path, the shard reports merged ("merged_from"; a merged
+    report given as input stands for the shard reports it merged), the
+    stale reports, the shards missing, counts, "complete" (every report
+    was, none stale, no shard missing), "ok" (every run ok, none stale, no
+    shard missing) and "sources_to_keep" (`sources_to_keep`: runs ok whose
+    source keeps checkpoints not migrated).
 
   Raises:
     UsageError: No reports, or reports of different destination roots.
@@ -467,41 +554,144 @@ def merge_reports(reports: Sequence[tuple[str, Mapping[str, Any]]]
   if not reports:
     raise UsageError("--merge-reports needs the reports to merge as arguments")
   root = _same_destination_root(reports)
-  order = sorted(range(len(reports)),
-                 key=lambda i: (reports[i][1].get("created", ""), i))
+  started = [_started(path, report) for path, report in reports]
+  newest = max(range(len(reports)),
+               key=lambda i: (_has_launch(reports[i][1]), started[i], i))
+  current_path, current = reports[newest]
+  stale = []
+  mine = []
+  for i, (path, report) in enumerate(reports):
+    reason = _stale_reason(report, current, current_path)
+    if reason is None:
+      mine.append(i)
+    else:
+      stale.append({"report": path, "reason": reason})
   runs: dict[str, dict[str, Any]] = {}
   skipped: dict[str, Any] = {}
-  for i in order:
+  for i in sorted(mine, key=lambda i: (started[i], i)):
     path, report = reports[i]
     for run in report["runs"]:
       previous = runs.get(run["source"])
-      if (previous is not None and previous["status"] in FINISHED and
-          run["status"] not in FINISHED):
+      if previous is not None and (
+          run["status"] == MISSING or
+          previous["status"] in FINISHED and run["status"] not in FINISHED):
         continue
-      runs[run["source"]] = dict(run, report=path,
+      runs[run["source"]] = dict(run, report=run.get("report", path),
                                  shard=run.get("shard", _shard(report)[0]))
     for s in report.get("skipped", []):
       skipped[s["path"]] = s
+  num_shards = _shard(current)[1]
+  merged_from = [m for i in mine for m in _shards_of(*reports[i])]
+  missing = sorted(set(range(num_shards)) -
+                   {m["shard_index"] for m in merged_from})
+  plan = _plan(current)
+  if plan is not None:
+    for source in plan:
+      if source not in runs:
+        runs[source] = _missing_run(source, num_shards)
   merged_runs = [runs[s] for s in sorted(runs)]
-  merged_from = [m for p, r in reports for m in _shards_of(p, r)]
-  missing = _missing_shards(merged_from)
-  fleet_size = max(r.get("fleet_size", len(r["runs"])) for _, r in reports)
+  fleet_size = (len(plan) if plan is not None else
+                current.get("fleet_size", len(current["runs"])))
   counts = count_statuses(merged_runs)
-  return {
+  merged = {
       "created": now(),
       "destination_root": root,
+      "launch": current.get("launch"),
+      "num_shards": num_shards,
       "merged_from": merged_from,
+      "stale_reports": stale,
       "fleet_size": fleet_size,
       "missing_shards": missing,
-      "complete": (all(r.get("complete", True) for _, r in reports) and
-                   not missing),
+      "complete": (all(reports[i][1].get("complete", True) for i in mine)
+                   and not missing and not stale),
       "counts": counts,
       "ok": (counts["ok"] == len(merged_runs) == fleet_size and
-             not missing),
+             not missing and not stale),
       "sources_to_keep": sources_to_keep(merged_runs),
       "runs": merged_runs,
       "skipped": [skipped[p] for p in sorted(skipped)],
   }
+  for key in ("source_root", "options"):
+    if key in current:
+      merged[key] = current[key]
+  if plan is not None:
+    merged["plan"] = plan
+  return merged
+
+
+def _started(path: str, report: Mapping[str, Any]) -> str:
+  """When the newest shard report `report` stands for started ("created";
+  for a merged report, of the shard reports it merged, not the merge's)."""
+  return max((m.get("created") or "" for m in _shards_of(path, report)),
+             default="")
+
+
+def _has_launch(report: Mapping[str, Any]) -> bool:
+  launch = report.get("launch")
+  return isinstance(launch, dict) and bool(launch.get("fingerprint"))
+
+
+def _plan(report: Mapping[str, Any]) -> Optional[list[str]]:
+  """Every run of the fleet a report's launch planned: its "plan" (sharded
+  reports, merged ones), else its runs (unsharded: its runs are the plan);
+  None for a sharded report without one."""
+  if isinstance(report.get("plan"), list):
+    return list(report["plan"])
+  if _shard(report)[1] == 1 and not isinstance(report.get("merged_from"),
+                                               list):
+    return [r["source"] for r in report["runs"]]
+  return None
+
+
+def _missing_run(source: str, num_shards: int) -> dict[str, Any]:
+  from clu_ckpt.migration.fleet_assignment import shard_of  # pylint: disable=g-import-not-at-top
+  shard = shard_of(source, num_shards)
+  return {"source": source, "status": MISSING, "shard": shard,
+          "error": f"not migrated: no report of this launch covers it "
+                   f"(shard {shard} of {num_shards})"}
+
+
+def _stale_reason(report: Mapping[str, Any], current: Mapping[str, Any],
+                  current_path: str) -> Optional[str]:
+  """Why `report` is not of the launch of `current` (the newest report,
+  at `current_path`), or None when it is."""
+  launch = report.get("launch")
+  if not _has_launch(report):
+    return ("no launch identity (written by an earlier version, or not by "
+            "the fleet): which launch it is from cannot be told; re-run its "
+            "shard")
+  theirs = current.get("launch") or {}
+  if launch.get("fingerprint") == theirs.get("fingerprint"):
+    return None
+  why = []
+  if launch.get("id") != theirs.get("id"):
+    why.append(f"launch id {launch.get('id')!r}, not {theirs.get('id')!r}")
+  if _shard(report)[1] != _shard(current)[1]:
+    why.append(f"{_shard(report)[1]} shards, not {_shard(current)[1]}")
+  if report.get("source_root") != current.get("source_root"):
+    why.append(f"source root {report.get('source_root')}, not "
+               f"{current.get('source_root')}")
+  if report.get("options") != current.get("options"):
+    why.append("other options")
+  plan, their_plan = _plan(report), _plan(current)
+  if plan is not None and their_plan is not None and plan != their_plan:
+    why.append(_plan_difference(plan, their_plan))
+  return (f"from another launch than {current_path} (the newest): "
+          f"{'; '.join(why) or 'another fleet command'}")
+
+
+def _plan_difference(plan: Sequence[str], current: Sequence[str]) -> str:
+  gone = sorted(set(plan) - set(current))
+  new = sorted(set(current) - set(plan))
+  parts = [f"another run list ({len(plan)} runs, not {len(current)}"]
+  if new:
+    parts.append(f"; without {printable(new[0])}" +
+                 (f" and {len(new) - 1} more" if len(new) > 1 else ""))
+  if gone:
+    parts.append(f"; with {printable(gone[0])}" +
+                 (f" and {len(gone) - 1} more" if len(gone) > 1 else "") +
+                 " no longer planned")
+  return "".join(parts) + ")"
 
 
 def _same_destination_root(reports: Sequence[tuple[str, Mapping[str, Any]]]
@@ -521,15 +711,6 @@ def _shard(report: Mapping[str, Any]) -> tuple[int, int]:
   return report.get("shard_index", 0), report.get("num_shards", 1)
 
 
-def _missing_shards(shards: Sequence[Mapping[str, Any]]) -> list[int]:
-  """The shard indices none of `shards` ("merged_from" entries) ran, when
-  they agree on the shard count ([] when they do not)."""
-  counts = {s["num_shards"] for s in shards}
-  if len(counts) != 1:
-    return []
-  return sorted(set(range(counts.pop())) - {s["shard_index"] for s in shards})
-
-
 def _shards_of(path: str, report: Mapping[str, Any]
                ) -> list[dict[str, Any]]:
   """The shard reports `report` stands for ("merged_from" entries): itself,
@@ -539,6 +720,7 @@ def _shards_of(path: str, report: Mapping[str, Any]
   index, count = _shard(report)
   return [{"report": path, "created": report.get("created"),
            "shard_index": index, "num_shards": count,
+           "launch": (report.get("launch") or {}).get("fingerprint"),
            "complete": report.get("complete", True),
            "runs": len(report["runs"])}]
 

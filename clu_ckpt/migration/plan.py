@@ -415,19 +415,31 @@ def _state_steps_problem(numbers: Sequence[int],
 # --------------------------------------------------------------------------
 
 
+def _has_other_index(prefix: str) -> bool:
+  """Whether the directory of checkpoint `prefix` holds another's `.index`."""
+  directory = os.path.dirname(prefix)
+  try:
+    return any(n.endswith(".index") for n in storage.listdir(directory))
+  except OSError:
+    return False
+
+
 def dataset_tree(ckpt: SourceCheckpoint
                   ) -> tuple[Optional[dict[str, Any]], list[str]]:
   """The `dataset` item of a checkpoint (None without tf_state).
 
   Raises:
     MigrationError: A CLU checkpoint without TensorFlow's `.index` on a host
-      (every CLU save writes one): its iterator state would be lost.
+      whose other checkpoints have theirs (every CLU save writes one): its
+      iterator state would be lost.
   """
   from clu_ckpt import orbax_items  # pylint: disable=g-import-not-at-top
   tree, names = {}, set()
   for host, prefix in ckpt.prefixes.items():
     if not storage.exists(f"{prefix}.index"):
-      if ckpt.files is None:  # Flax's own files have no TensorFlow side
+      # Flax's own files have no TensorFlow side, nor does a run whose
+      # checkpoints all lack it (not written through TensorFlow).
+      if ckpt.files is None and _has_other_index(prefix):
         raise MigrationError(
             f"{prefix}.index: missing: checkpoint {ckpt.name} has its .flax "
             "but not TensorFlow's files, which hold its iterator state (CLU "
