@@ -352,16 +352,76 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   GCS), which lets TensorStore upload a flush as parallel files; `rN`
   read-ahead ranges of N MiB; `sK` K slices of a large array in flight,
   `bM` slices of M MiB (`orbax_target.SLICES_IN_FLIGHT`, `SLICE_BYTES`;
-  b0: arrays handed to TensorStore whole, as before).
+  b0: arrays handed to TensorStore whole, as before); `uN` N files
+  uploaded at once from the staging directory (`staging.UPLOAD_STREAMS`);
+  `e0`/`e1` a staged step's arrays not / all read ahead from the start
+  (`orbax_target.STAGED_READ_AHEAD`); `aN` N read-ahead ranges in flight (`bucket_spool.READ_AHEAD_STREAMS`);
+  `o0` / `o1` data files uploaded after the step is written / while it is
+  (`staging.OVERLAP`);
+  a final `d`: the direct write, not staged (`orbax_target.
+  STAGE_BUCKET_STEPS = False`). A staged run reports its phases: `write_s`
+  (download and local write), `upload_s` (the upload and commit) and
+  `staged_mib` (the staging disk used).
   """
   from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
   from clu_ckpt.migration import orbax_target  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint  # pylint: disable=g-import-not-at-top,unused-import
-  knobs = re.fullmatch(r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?",
-                       window_mib)
+  knobs = re.fullmatch(
+      r"(\d*)(?:x(\d+))?(?:r(\d+))?(?:s(\d+))?(?:b(\d+))?(?:u(\d+))?(?:o(\d))?(?:a(\d+))?(?:e(\d))?(d?)",
+      window_mib)
   if knobs is None:
-    raise ValueError(f"migrate@{window_mib}: expected W[xF][rN][sK][bM]")
-  window_mib, file_mib, ahead, slices, slice_mib = knobs.groups()
+    raise ValueError(f"migrate@{window_mib}: expected W[xF][rN][sK][bM][uN][d]")
+  (window_mib, file_mib, ahead, slices, slice_mib, uploads, overlap,
+   ahead_streams, read_all, direct) = knobs.groups()
+  from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
+  if read_all:  # `e0`/`e1`: a staged step's arrays read ahead from the start
+    orbax_target.STAGED_READ_AHEAD = read_all == "1"
+  if ahead_streams:  # `aN`: N read-ahead ranges in flight (bucket_spool)
+    from clu_ckpt import bucket_spool  # pylint: disable=g-import-not-at-top
+    bucket_spool.READ_AHEAD_STREAMS = int(ahead_streams)
+    orbax_target.STAGED_READ_AHEAD_STREAMS = int(ahead_streams)
+  if uploads:
+    staging.UPLOAD_STREAMS = int(uploads)
+  if overlap:
+    staging.OVERLAP = overlap == "1"
+  if direct:
+    orbax_target.STAGE_BUCKET_STEPS = False
+  phases = {}
+  upload_step = staging.upload_step
+
+  def timed_upload(*args, **kwargs):
+    # Called once Orbax has written the step (with OVERLAP, for what the
+    # data files' uploads beside the writing did not send).
+    phases["write_end"] = time.perf_counter()
+    try:
+      phases["staged_bytes"] = upload_step(*args, **kwargs)
+    finally:
+      phases["upload_end"] = time.perf_counter()
+    return phases["staged_bytes"]
+
+  staging.upload_step = timed_upload
+  # The phases on this clock: the step's write starts (setup before it:
+  # planning, the lock, the manifest), the source's last array arrives,
+  # Orbax's local write ends (the uploader's finish starts).
+  write_step = orbax_target.OrbaxTarget.write_step
+  fetch_ahead = orbax_target._fetch_ahead  # pylint: disable=protected-access
+  finish = staging.StepUploader.finish
+
+  def timed_write_step(self, *args, **kwargs):
+    phases.setdefault("step_start", time.perf_counter())
+    return write_step(self, *args, **kwargs)
+
+  def timed_fetch(value):
+    fetch_ahead(value)
+    phases["download_end"] = time.perf_counter()
+
+  def timed_finish(self):
+    phases["local_end"] = time.perf_counter()
+    return finish(self)
+
+  orbax_target.OrbaxTarget.write_step = timed_write_step
+  orbax_target._fetch_ahead = timed_fetch  # pylint: disable=protected-access
+  staging.StepUploader.finish = timed_finish
   if file_mib:
     orbax_target.REMOTE_DATA_FILE_BYTES = int(file_mib) * 2**20 or None
   if ahead:  # `rN`: the read-ahead's ranges of N MiB (bucket_spool)
@@ -380,8 +440,16 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   failed = [str(r) for r in summary.failed]
   if failed:
     raise RuntimeError(f"migration failed: {failed}")
-  return {"seconds": time.perf_counter() - start,
-          "extra_rss": peak.peak - base, "rss_series": series.points}
+  result = {"seconds": time.perf_counter() - start,
+            "extra_rss": peak.peak - base, "rss_series": series.points}
+  if "write_end" in phases:
+    result.update(write_s=phases["write_end"] - start,
+                  upload_s=phases["upload_end"] - phases["write_end"],
+                  staged_mib=phases.get("staged_bytes", 0) / 2**20)
+  # Seconds from the clock's start to each phase's end (see above).
+  result["phases"] = {k: round(v - start, 3) for k, v in phases.items()
+                      if k != "staged_bytes"}
+  return result
 
 
 _CHILDREN = {"link": _child_link, "ceiling": _child_link,
@@ -445,6 +513,28 @@ def _route(method: str) -> tuple[str, str]:
   return name, route or "shaped"
 
 
+class _Flow:
+  """The proxy's byte counts every `period` seconds, in a thread."""
+
+  def __init__(self, proxy, period: float = 0.25):
+    import threading  # pylint: disable=g-import-not-at-top
+    self.points, self._proxy, self._period = [], proxy, period
+    self._stop = threading.Event()
+    self._start = time.perf_counter()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _run(self):
+    while not self._stop.wait(self._period):
+      self.points.append([round(time.perf_counter() - self._start, 2),
+                          round(self._proxy.down / 2**20, 1),
+                          round(self._proxy.up / 2**20, 1)])
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join()
+
+
 def _measure(args) -> dict:
   import bench_migration  # pylint: disable=g-import-not-at-top
   import emulators  # pylint: disable=g-import-not-at-top
@@ -501,7 +591,16 @@ def _measure(args) -> dict:
           env["PYTHONPATH"] = args.baseline
         cpu = (_cpu_seconds(), _cpu_seconds(store.proc.pid))
         wall = time.perf_counter()
-        result = _run_child(child, src, dst, env)
+        flow = _Flow(proxy) if args.timeline and proxy is not None else None
+        try:
+          result = _run_child(child, src, dst, env)
+        finally:
+          if flow is not None:
+            flow.stop()
+        if flow is not None:
+          # [seconds, MiB down, MiB up] every 0.25 s: the phases as the
+          # link saw them.
+          result["flow"] = flow.points
         result["wall_child"] = time.perf_counter() - wall
         # CPU seconds of the proxies (this process) and of the emulator
         # during the measurement, beside the child's own (`cpu_child`, its
@@ -658,7 +757,10 @@ def _report(result: dict) -> str:
          else "      ") +
         (f"  {med(method, 'uploads_max'):3.0f}/{med(method, 'uploads_mean', 0):4.1f}"
          f" x {med(method, 'upload_mib', 0):5.1f}"
-         if med(method, "upload_count") else ""))
+         if med(method, "upload_count") else "") +
+        (f"  staged: write {med(method, 'write_s'):5.2f} s + upload "
+         f"{med(method, 'upload_s'):5.2f} s, {med(method, 'staged_mib'):.0f} MiB"
+         if med(method, "write_s") is not None else ""))
   return "\n".join(lines)
 
 

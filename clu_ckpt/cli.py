@@ -9,7 +9,7 @@ Synopsis::
       [--compression zstd|none] [--dry-run] [--verify] [--json]
       [--max-inflight-mib MIB] [--step-prefix PREFIX]
       [--step-format-fixed-length N] [--allow-other-sources]
-      [--template MODULE:FUNCTION]
+      [--template MODULE:FUNCTION] [--staging-dir DIR]
 
 `inspect` and `verify` read file names, TensorFlow's `checkpoint` file, the
 `.flax` headers and Orbax's JSON metadata: they import neither TensorFlow nor
@@ -406,6 +406,7 @@ def _run_migrate(args: argparse.Namespace) -> int:
         step_format_fixed_length=args.step_format_fixed_length,
         allow_other_sources=args.allow_other_sources,
         template=template,
+        staging_dir=args.staging_dir,
         progress=report)
   except (migration.MigrationError, OSError, ValueError) as e:
     report.close()

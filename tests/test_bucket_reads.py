@@ -349,6 +349,9 @@ def test_streaming_tree_leaves_the_arrays_for_later(proxy):
 _OVERLAP_CHILD = """
 import json, sys
 from clu_ckpt import migration
+from clu_ckpt.migration import orbax_target
+# The direct write's read-ahead (a staged step's: test_migration_staging).
+orbax_target.STAGE_BUCKET_STEPS = False
 summary = migration.migrate(sys.argv[1], sys.argv[2], verify=True,
                             inflight_bytes=2 * 2**20)
 print(json.dumps({"ok": summary.ok, "failed": [str(f) for f in summary.failed]}))

@@ -83,6 +83,10 @@ def add_migrate_options(container: Any, exclude: Sequence[str] = ()
   add(container, "--max-inflight-mib", type=int, default=None, metavar="MIB",
       help="array data handed to TensorStore at once (bounds "
       "memory; default 128, 16 for a gs:// destination)")
+  add(container, "--staging-dir", metavar="DIR",
+      help="gs:// destination: write each step here first, then upload "
+      "it by many streams at once (default $CLU_CKPT_STAGING_DIR, else "
+      "the system's temporary directory)")
   add(container, "--step-prefix", metavar="PREFIX",
       help="name steps <PREFIX>_<step>, as CheckpointManagerOptions"
       "(step_prefix=PREFIX) does")

@@ -80,7 +80,8 @@ def migrate(source: str,
             step_prefix: Optional[str] = None,
             step_format_fixed_length: Optional[int] = None,
             allow_other_sources: bool = False,
-            template: Any = None) -> MigrationSummary:
+            template: Any = None,
+            staging_dir: Optional[str] = None) -> MigrationSummary:
   """Migrates a CLU checkpoint directory into an Orbax CheckpointManager root.
 
   Re-running the same call finishes an interrupted migration: steps already
@@ -164,6 +165,10 @@ def migrate(source: str,
       values and dtypes (see `template`). None: the Flax state dict.
       A checkpoint whose leaves differ from the template's (paths, shapes)
       or need stand-ins fails with a message naming the leaf.
+    staging_dir: For a `gs://` destination, the local directory each step
+      is written to before it is uploaded by many streams at once (see
+      `staging`; default target only). None: `$CLU_CKPT_STAGING_DIR`, else
+      the system's temporary directory.
 
   Returns:
     The summary. Checkpoints that could not be migrated (corrupt files,
@@ -203,7 +208,7 @@ def migrate(source: str,
     fsspec_fs.configure_environment()
   if target is not None:
     _check_target(target, destination, compression, inflight_bytes,
-                  step_prefix, step_format_fixed_length)
+                  step_prefix, step_format_fixed_length, staging_dir)
   src = plan.discover(source)
   if state_host is not None and state_host not in src.host_directories:
     raise MigrationError(f"--state-host {state_host}: no such host in "
@@ -255,7 +260,8 @@ def migrate(source: str,
       target = orbax_target.OrbaxTarget(
           destination, use_compression=compression == "zstd",
           inflight_bytes=inflight_bytes, step_prefix=step_prefix,
-          step_format_fixed_length=step_format_fixed_length)
+          step_format_fixed_length=step_format_fixed_length,
+          staging_dir=staging_dir)
     writer = _Writer(src, target, naming, mapping, state_host, notify,
                      template)
     with _locked(destination, dry_run):
@@ -334,7 +340,8 @@ def _locked(destination: str, dry_run: bool):
 def _check_target(target: orbax_target.Target, destination: str,
                   compression: str, inflight_bytes: Optional[int],
                   step_prefix: Optional[str],
-                  step_format_fixed_length: Optional[int]) -> None:
+                  step_format_fixed_length: Optional[int],
+                  staging_dir: Optional[str] = None) -> None:
   """Refuses a `target` that `migrate`'s other arguments contradict."""
   if not isinstance(target, orbax_target.Target):
     raise MigrationError(f"target {target!r} is not an "
@@ -347,7 +354,8 @@ def _check_target(target: orbax_target.Target, destination: str,
       ("compression", compression, "zstd"),
       ("inflight_bytes", inflight_bytes, None),
       ("step_prefix", step_prefix, None),
-      ("step_format_fixed_length", step_format_fixed_length, None))
+      ("step_format_fixed_length", step_format_fixed_length, None),
+      ("staging_dir", staging_dir, None))
            if value != default]
   if given:
     raise MigrationError(f"{', '.join(given)} configure the default "
