@@ -386,6 +386,10 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
     staging.OVERLAP = overlap == "1"
   if direct:
     orbax_target.STAGE_BUCKET_STEPS = False
+  else:
+    # Staged whatever the step's size (the default stages from ~1 GiB:
+    # `orbax_target.STAGED_BYTES_PER_STREAM`), as the figures were taken.
+    orbax_target.STAGED_BYTES_PER_STREAM = 0
   phases = {}
   upload_step = staging.upload_step
 

@@ -232,6 +232,26 @@ def test_fallbacks_write_directly(gcs, tmp_path, monkeypatch):
   assert not staging.has_room(str(tmp_path / "missing"), 0)
 
 
+
+def test_a_small_step_is_staged_only_when_a_staging_directory_is_named(
+    tmp_path, monkeypatch):
+  """Staged uploads hold about `STAGED_BYTES_PER_STREAM` per stream: by
+  default a step is staged only when that is at most a quarter of it."""
+  monkeypatch.delenv(staging.STAGING_DIR_ENV, raising=False)
+  small = {"state": {"w": np.zeros(2**20, np.float32)}, "metadata": {}}
+  target = orbax_target.OrbaxTarget("gs://b/a")
+  assert not target._stages(small)  # pylint: disable=protected-access
+  monkeypatch.setattr(orbax_target, "STAGED_BYTES_PER_STREAM", 2**17)
+  assert target._stages(small)  # pylint: disable=protected-access
+  monkeypatch.setattr(orbax_target, "STAGED_BYTES_PER_STREAM", 2**17 + 1)
+  assert not target._stages(small)  # pylint: disable=protected-access
+  monkeypatch.setenv(staging.STAGING_DIR_ENV, str(tmp_path))
+  assert target._stages(small)  # pylint: disable=protected-access
+  monkeypatch.delenv(staging.STAGING_DIR_ENV)
+  named = orbax_target.OrbaxTarget("gs://b/a", staging_dir=str(tmp_path))
+  assert named._stages(small)  # pylint: disable=protected-access
+
+
 def test_debris_of_a_killed_process_is_swept(tmp_path):
   gone = subprocess.Popen([sys.executable, "-c", "pass"])
   gone.wait()
