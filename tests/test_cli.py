@@ -688,6 +688,8 @@ def test_verify_with_its_source_names_what_the_migration_did_not_read(
   (src / "finetune").mkdir()
   (src / "ema_10").write_bytes(b"\x80")
   (src / "notes.txt").write_text("not a checkpoint")
+  (src / "v2.json").write_text("{}")  # not named like a Flax checkpoint
+  (src / "ckpt-9_temp").mkdir()  # TensorFlow's debris of a killed save
   done = _in_process(capsys, "verify", dst, "--source", src)
   assert done.returncode == 1
   assert f"PROBLEM: {src}: also holds ema_10, finetune/, which" in (
