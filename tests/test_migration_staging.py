@@ -182,6 +182,10 @@ def test_a_failed_upload_leaves_nothing_listed_and_the_next_run_finishes(
   assert not set(left) & set(names)
 
 
+# Thorough: it moves tens of MiB through the modelled link, and its worker
+# made the quick run's memory peak (1.2 GiB of 3.1); the quick
+# representative of staging is the restore-and-layout test above.
+@pytest.mark.thorough
 def test_uploads_go_up_many_at_once_through_the_link(gcs, tmp_path):
   import link_proxy  # pylint: disable=g-import-not-at-top
   bucket = gcs.bucket()
