@@ -44,6 +44,7 @@ import uuid
 from typing import Any, Callable, Optional
 
 from clu_ckpt import bucket_client
+from clu_ckpt import orbax_root
 from clu_ckpt import storage
 
 # Where steps are staged when no directory is given.
@@ -75,7 +76,7 @@ SPACE_MARGIN_BYTES = 256 * 2**20
 PREFIX = "clu_ckpt-staging-"
 _NAME = re.compile(re.escape(PREFIX) + r"(\d+)-[0-9a-f]+$")
 # The file whose arrival commits a step (and an item) on GCS.
-COMMIT_FILE = "commit_success.txt"
+COMMIT_FILE = orbax_root.COMMIT_SUCCESS_FILE
 # What Orbax writes in it (`Checkpoint commit was successful to <path>`).
 _COMMIT_TEXT = "Checkpoint commit was successful to {}"
 
@@ -299,7 +300,7 @@ def _remote(name: str) -> str:
 
 
 # What Orbax appends to the names of directories being written locally.
-_TMP = re.compile(r"\.orbax-checkpoint-tmp.*$")
+_TMP = re.compile(re.escape(orbax_root.ORBAX_TMP_MARKER) + ".*$")
 
 
 def _upload_one(local_root: str, url: str, name: str,
