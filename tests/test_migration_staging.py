@@ -335,3 +335,58 @@ def test_a_signal_during_the_upload_leaves_nothing_listed(gcs, tmp_path, how):
   assert all(n.startswith("7/") or n.startswith("clu_ckpt_manifest")
              for n in names), names
   assert not set(left) & set(names)  # the killed run's objects are gone
+
+
+def _file_kvstores(spec) -> list[dict]:
+  """The `file` key-value stores of a TensorStore spec (JSON)."""
+  found = []
+  if isinstance(spec, dict):
+    if spec.get("driver") == "file":
+      found.append(spec)
+    for key in ("kvstore", "base", "manifest"):
+      found += _file_kvstores(spec.get(key))
+  return found
+
+
+def test_a_staged_step_is_not_fsynced_and_a_local_one_is(gcs, tmp_path,
+                                                         monkeypatch):
+  # The staged files are temporary (committed by their upload): TensorStore
+  # writes them without fsync. A local destination keeps it (durability).
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  import tensorstore  # pylint: disable=g-import-not-at-top
+  bucket = gcs.bucket()
+  state = _state(2)
+  source = _checkpoint_run(gcs, bucket, "run", state)
+  opened = []
+  real_open = tensorstore.open
+
+  def recording(spec, *args, **kwargs):
+    opened.append(spec.to_json() if hasattr(spec, "to_json") else spec)
+    return real_open(spec, *args, **kwargs)
+
+  monkeypatch.setattr(tensorstore, "open", recording)
+  destination = f"gs://{bucket}/orbax"
+  target = orbax_target.OrbaxTarget(destination, staging_dir=str(tmp_path))
+  assert migration.migrate(source, destination, target=target).ok
+  assert target.last_write_staged
+  # The state's arrays (the dataset's few bytes go through Orbax's own).
+  staged = [kv for spec in opened for kv in _file_kvstores(spec)
+            if "/state." in kv["path"]]
+  assert staged, opened  # the arrays went through the local file driver
+  assert all(kv.get("file_io_sync") is False for kv in staged), staged
+  with ocp_manager(destination) as mngr:
+    got = mngr.restore(7)["state"]["params"]["kernel"]
+  assert np.asarray(got).tobytes() == state["params"]["kernel"].tobytes()
+
+  opened.clear()
+  local = tmp_path / "local"
+  assert migration.migrate(source, str(local)).ok
+  written = [kv for spec in opened for kv in _file_kvstores(spec)
+             if "/state" in kv["path"]]
+  assert written, opened
+  assert all(kv.get("file_io_sync", True) is not False for kv in written)
+
+
+def ocp_manager(root):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return ocp.CheckpointManager(root)
