@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import math
 import os
+import threading
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -395,17 +397,27 @@ class OrbaxTarget(Target):
     """
     require_orbax()
     commit_nsecs = _commit_nsecs(saved_at)
-    self.remove_partial(step)
     custom = None if custom_metadata is None else dict(custom_metadata)
     self.last_write_staged = self._stages(items)
+    cleared = None
+    if self.last_write_staged:
+      # What a killed run left of the step in the bucket is removed while
+      # the step is written locally (its round trips off the path): the
+      # uploader sends nothing of the step before that has ended.
+      self._remove_local_partial()
+      cleared = _started(self._remove_remote_partial, step)
+    else:
+      self.remove_partial(step)
     try:
       if self.last_write_staged:
         self._save_staged(step, items, on_bytes, commit_nsecs, custom,
-                          standard_state)
+                          standard_state, cleared)
       else:
         self._save(step, items, on_bytes, commit_nsecs, custom,
                    standard_state)
     except BaseException:
+      if cleared is not None:
+        concurrent.futures.wait([cleared])
       self.remove_partial(step)
       raise
 
@@ -429,18 +441,22 @@ class OrbaxTarget(Target):
                    on_bytes: Callable[[int], None],
                    commit_nsecs: Optional[int],
                    custom_metadata: Optional[dict[str, Any]],
-                   standard_state: bool = False) -> None:
+                   standard_state: bool = False,
+                   cleared: Optional[concurrent.futures.Future] = None
+                   ) -> None:
     """Orbax's save into a local staging area, its data files uploaded as
     they are written (`staging.StepUploader`, `staging.upload_streams()` at
     a time), the rest after it, the step's `commit_success.txt` last, as
-    Orbax commits a step on GCS."""
+    Orbax commits a step on GCS. `cleared`: the removal of what a killed
+    run left of the step in the bucket, which every upload waits for."""
     from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
     area = staging.StagingArea(self.staging_dir)
     self._areas.add(area)
     name = self.step_name(step)
     with area:
       uploader = staging.StepUploader(area.path, name,
-                                      storage.join(self.root, name))
+                                      storage.join(self.root, name),
+                                      ready=cleared)
       if staging.OVERLAP:
         uploader.start()
       try:
@@ -520,8 +536,14 @@ class OrbaxTarget(Target):
     """Removes Orbax's temporary directories of `step`, and on GCS (where
     the step is written under its final name) the step's directory when it
     has no `commit_success.txt`."""
+    self._remove_local_partial()
+    self._remove_remote_partial(step)
+
+  def _remove_local_partial(self) -> None:
     for area in list(self._areas):  # a staged write's local files
       area.remove()
+
+  def _remove_remote_partial(self, step: int) -> None:
     # Through the storage seam: an entry that is a symlink is unlinked, its
     # target never touched.
     if not storage.isdir(self.root):
@@ -1068,6 +1090,24 @@ def _bounded_numpy_handler(inflight_bytes: int,
           ahead.stop()
 
   return BoundedNumpyHandler()
+
+
+def _started(function: Callable[..., Any], *args: Any
+             ) -> concurrent.futures.Future:
+  """`function(*args)` running in a thread of its own: its future."""
+  future: concurrent.futures.Future = concurrent.futures.Future()
+
+  def run() -> None:
+    if not future.set_running_or_notify_cancel():
+      return
+    try:
+      future.set_result(function(*args))
+    except BaseException as e:  # pylint: disable=broad-except
+      future.set_exception(e)
+
+  threading.Thread(target=run, daemon=True,
+                   name="clu_ckpt-remove-partial").start()
+  return future
 
 
 def without_file_sync(tspec: Mapping[str, Any]) -> dict[str, Any]:

@@ -246,9 +246,10 @@ def migrate(source: str,
       results[ckpt.number] = StepResult(ckpt.number, None, "failed",
                                         error=describe_error(e))
   try:
-    numbered = orbax_root.saved_by_checkpoint(
-        destination, step_prefix=step_prefix,
-        step_format_fixed_length=step_format_fixed_length)
+    with _destination_answers(destination):
+      numbered = orbax_root.saved_by_checkpoint(
+          destination, step_prefix=step_prefix,
+          step_format_fixed_length=step_format_fixed_length)
     naming, mapping = plan.name_steps(
         usable, steps, step_naming,
         numbered_root=destination if numbered else None)
@@ -265,11 +266,12 @@ def migrate(source: str,
     writer = _Writer(src, target, naming, mapping, state_host, notify,
                      template)
     with _locked(destination, dry_run):
-      manifest = destination_lib.read_manifest(destination)
-      existing = writer.existing_steps()
-      manifest.check_source(
-          src.path, allow_other_sources=allow_other_sources,
-          foreign_steps=writer.foreign_steps(existing, manifest))
+      with _destination_answers(destination):
+        manifest = destination_lib.read_manifest(destination)
+        existing = writer.existing_steps()
+        manifest.check_source(
+            src.path, allow_other_sources=allow_other_sources,
+            foreign_steps=writer.foreign_steps(existing, manifest))
       for ckpt in usable:
         try:
           results[ckpt.number] = writer.run(
@@ -328,6 +330,19 @@ def _interrupted(src: plan.Source, destination: str, naming: str,
   remaining = [c.number for c in chosen if c.number not in done]
   return MigrationInterrupted(
       _summary(src, destination, naming, chosen, done, dry_run), remaining)
+
+
+@contextlib.contextmanager
+def _destination_answers(destination: str):
+  """A block in which a bucket destination is listed once (its manifest,
+  its steps and its lock answered from that listing: one round trip, not
+  one or three per question); nothing is kept after it. For reads only: a
+  write through `storage` in the block forgets what was kept."""
+  with storage.metadata_cache():
+    if not storage.is_local(destination):
+      with contextlib.suppress(OSError):
+        storage.listdir(destination)
+    yield
 
 
 def _locked(destination: str, dry_run: bool):

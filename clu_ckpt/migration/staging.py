@@ -349,11 +349,16 @@ class StepUploader:
     step_name: The step's directory name.
     url: The step's URL in the bucket.
     streams: Files in flight at once; None: `upload_streams()`.
+    ready: What must end before anything of the step is sent (the removal
+      of what a killed run left of it in the bucket); its error, if any,
+      is raised by `finish` and nothing is sent.
   """
 
   def __init__(self, area: str, step_name: str, url: str,
-               streams: Optional[int] = None):
+               streams: Optional[int] = None,
+               ready: Optional[concurrent.futures.Future] = None):
     self.area, self.step_name, self.url = area, step_name, url.rstrip("/")
+    self._ready = ready
     self._pending: set[str] = set()
     self.streams = streams or upload_streams()
     self.uploaded: dict[str, tuple[int, int]] = {}
@@ -404,6 +409,8 @@ class StepUploader:
         self._seen[remote] = key
 
   def _send(self, local: str, remote: str, key: tuple[int, int]) -> None:
+    if self._ready is not None:
+      self._ready.result()  # raises its error: nothing is sent
     # Orbax may have renamed the temporary directories since: the file is
     # then under the step's final name (if neither, `finish` decides).
     final = os.path.join(self.area, self.step_name, *remote.split("/"))
@@ -427,6 +434,8 @@ class StepUploader:
     """
     self._stop_watching()
     try:
+      if self._ready is not None:
+        self._ready.result()
       for future in self._futures:
         future.result()
     finally:
