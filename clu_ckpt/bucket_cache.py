@@ -42,6 +42,7 @@ import collections
 import contextlib
 import contextvars
 import re
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 from clu_ckpt import errors
@@ -154,6 +155,9 @@ class _Objects:
     self.tree = re.compile(re.escape(under.rstrip("/")) + r"(?:-[0-9]+)?(?:/|$)")
     # Metadata answers under `under`, kept for the block (see `cached`).
     self.meta: dict = {}
+    # A thread given the block's context (a migration's prefetch) may use
+    # it beside the caller.
+    self._mutex = threading.RLock()
     self.held = 0
     self._items: "collections.OrderedDict[str, tuple[dict, bytes]]" = (
         collections.OrderedDict())
@@ -184,31 +188,35 @@ class _Objects:
       self.but_not.remove(prefix)
 
   def get(self, key: str) -> Optional[tuple[dict, bytes]]:
-    item = self._items.get(key)
-    if item is not None:
-      self._items.move_to_end(key)
-    return item
+    with self._mutex:
+      item = self._items.get(key)
+      if item is not None:
+        self._items.move_to_end(key)
+      return item
 
   def put(self, key: str, info: dict, data: bytes) -> None:
-    self._drop(key)
-    if len(data) > self.limit:
-      return
-    self._items[key] = (info, data)
-    self.held += len(data)
-    while self.held > self.limit:
-      _, (_, old) = self._items.popitem(last=False)
-      self.held -= len(old)
+    with self._mutex:
+      self._drop(key)
+      if len(data) > self.limit:
+        return
+      self._items[key] = (info, data)
+      self.held += len(data)
+      while self.held > self.limit:
+        _, (_, old) = self._items.popitem(last=False)
+        self.held -= len(old)
 
   def forget(self, key: str, *, tree: bool = False) -> None:
-    if not key or self.keeps_metadata(key) or tree and (
-        self.root.startswith(key.rstrip("/") + "/")):
-      self.meta.clear()  # a write under the kept tree (or anywhere: "")
-    self._drop(key, tree=tree)
+    with self._mutex:
+      if not key or self.keeps_metadata(key) or tree and (
+          self.root.startswith(key.rstrip("/") + "/")):
+        self.meta.clear()  # a write under the kept tree (or anywhere: "")
+      self._drop(key, tree=tree)
 
   def _drop(self, key: str, *, tree: bool = False) -> None:
-    for k in [k for k in self._items
-              if k == key or tree and k.startswith(key.rstrip("/") + "/")]:
-      self.held -= len(self._items.pop(k)[1])
+    with self._mutex:
+      for k in [k for k in self._items
+                if k == key or tree and k.startswith(key.rstrip("/") + "/")]:
+        self.held -= len(self._items.pop(k)[1])
 
 
 def cached_object(key: str) -> Optional[tuple[dict, bytes]]:
