@@ -467,7 +467,8 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   if failed:
     raise RuntimeError(f"migration failed: {failed}")
   result = {"seconds": time.perf_counter() - start,
-            "extra_rss": peak.peak - base, "rss_series": series.points}
+            "extra_rss": peak.peak - base, "rss_series": series.points,
+            "thread_cpu": _thread_cpu()}
   if "write_end" in phases:
     result.update(write_s=phases["write_end"] - start,
                   upload_s=phases["upload_end"] - phases["write_end"],
@@ -476,6 +477,25 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   result["phases"] = {k: round(v - start, 3) for k, v in phases.items()
                       if k != "staged_bytes"}
   return result
+
+
+def _thread_cpu() -> dict:
+  """CPU seconds of this process' live threads by name (`comm`): where
+  the cores went (TensorStore's pools name their threads; Python's are
+  all `python`)."""
+  out: dict = {}
+  for task in os.listdir("/proc/self/task"):
+    try:
+      with open(f"/proc/self/task/{task}/stat") as f:
+        text = f.read()
+    except OSError:
+      continue
+    name = text[text.index("(") + 1:text.rindex(")")]
+    fields = text.rsplit(")", 1)[1].split()
+    seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    name = re.sub(r"[0-9]+$", "", name)
+    out[name] = round(out.get(name, 0.0) + seconds, 2)
+  return out
 
 
 _CHILDREN = {"link": _child_link, "ceiling": _child_link,

@@ -390,3 +390,62 @@ def test_a_staged_step_is_not_fsynced_and_a_local_one_is(gcs, tmp_path,
 def ocp_manager(root):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   return ocp.CheckpointManager(root)
+
+
+# The round trips of a one-checkpoint gs:// -> gs:// migration (8 arrays
+# of 1 MiB, its iterator files), counted at a proxy: before the step's
+# first upload (planning, the lock, the manifest, the destination's
+# listing, the leftovers' removal) and after its commit (the manifest, the
+# lock's release). Before they were cut: 53 and 5.
+SETUP_REQUESTS = 30
+TAIL_REQUESTS = 4
+
+
+def test_a_bucket_migration_asks_few_questions_before_and_after_its_step(
+    gcs, tmp_path, monkeypatch):
+  import link_proxy  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  bucket = gcs.bucket()
+  rng = np.random.default_rng(5)
+  state = {"step": np.int64(7), "params": {
+      f"w{i}": rng.standard_normal(2**18).astype(np.float32)
+      for i in range(8)}}
+  source = _checkpoint_run(gcs, bucket, "run", state)
+  destination = f"gs://{bucket}/orbax"
+  sent = []  # (url, start, end) of each staged upload
+  put = staging._put  # pylint: disable=protected-access
+
+  def recording(local_path, url, data=None):
+    start = time.monotonic()
+    put(local_path, url, data)
+    sent.append((url, start, time.monotonic()))
+
+  monkeypatch.setattr(staging, "_put", recording)
+  with link_proxy.LinkProxy(gcs.port) as proxy:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    storage._INSTANCES.pop("gs", None)  # pylint: disable=protected-access
+    try:
+      storage.filesystem(destination).fs  # pylint: disable=expression-not-assigned
+      proxy.reset()
+      summary = migration.migrate(source, destination,
+                                  staging_dir=str(tmp_path))
+      times = list(proxy.request_times)
+      lines = list(proxy.request_lines)
+      assert orbax_root.list_steps(destination) == ([7], [])
+    finally:
+      storage._INSTANCES.pop("gs", None)  # pylint: disable=protected-access
+  assert summary.ok, summary.failed
+  first = min(start for _, start, _ in sent)
+  commit = [end for url, _, end in sent if url.endswith(
+      f"/7/{staging.COMMIT_FILE}")]
+  assert len(commit) == 1, sent
+  setup = [line for t, line in zip(times, lines) if t < first]
+  tail = [line for t, line in zip(times, lines) if t > commit[0]]
+  assert len(setup) <= SETUP_REQUESTS, (len(setup), setup)
+  assert len(tail) <= TAIL_REQUESTS, (len(tail), tail)
+  # The source's `.flax` and iterator files are each downloaded whole once
+  # (beside the `.flax`'s first MiB, read while planning).
+  downloads = [line for line, rng in lines if "alt=media" in line and
+               "/run%2F" in line and rng is None]
+  assert len(downloads) == len(set(downloads)), downloads
