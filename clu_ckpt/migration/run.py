@@ -334,9 +334,23 @@ class _Prefetch:
   def _run(self) -> None:
     try:
       self._handle = flax_format.FlaxFile(self._path, read_data=False)
-      plan.dataset_tree(self._ckpt)  # its files kept for the run
+      self._read_iterator_files()
     except Exception:  # pylint: disable=broad-except
       pass  # said again, with its context, when the writer opens it
+
+  def _read_iterator_files(self) -> None:
+    """Reads the checkpoint's small TensorFlow files, which the run keeps
+    (`bucket_cache.SMALL_OBJECT_BYTES`; larger ones are left to the
+    writer, which reads them once)."""
+    from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+    for prefix in self._ckpt.prefixes.values():
+      directory, _, base = prefix.rpartition("/")
+      for name in storage.listdir(directory):  # the run's kept listing
+        if name.startswith(base + ".") and (
+            name.endswith(".index") or ".data-" in name):
+          path = storage.join(directory, name)
+          if storage.stat(path)[0] <= bucket_cache.SMALL_OBJECT_BYTES:
+            storage.read_bytes(path)
 
   def take(self, number: int) -> Optional[flax_format.FlaxFile]:
     """The handle of checkpoint `number` (once), or None."""
