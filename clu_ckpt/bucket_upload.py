@@ -47,8 +47,6 @@ UPLOAD_BLOCK = 8 * 2**20
 UPLOAD_STREAMS = 4
 # GCS composes at most this many objects in one request.
 _COMPOSE_MAX = 32
-# The composes of one round sent at once (a round has one per 32 parts).
-_COMPOSES_AT_ONCE = 8
 # Where GCS parts wait to be composed: beside the bucket's objects, under
 # this prefix (removed when the upload ends, well or not).
 PARTS_PREFIX = ".clu_ckpt-parts"
@@ -172,25 +170,17 @@ class PartsUpload:
       self._remove_parts()
 
   def _compose(self, names: list[str]) -> None:
-    """Joins `names` into the object (in rounds of at most 32 each; the
-    composes of one round at once: each is a request, and in the emulators
-    a copy of its bytes)."""
+    """Joins `names` into the object (in rounds of at most 32 each)."""
     level = 0
     while len(names) > _COMPOSE_MAX:
       level += 1
       bucket = self._key.split("/", 1)[0]
-      joined, groups = [], []
+      joined = []
       for i in range(0, len(names), _COMPOSE_MAX):
         name = f"{bucket}/{self._tmp}/c{level}-{i:06d}"
-        self._parts[f"c{level}-{i}"] = name  # removed with the parts
-        groups.append((name, names[i:i + _COMPOSE_MAX]))
+        self._parts[f"c{level}-{i}"] = name
+        self._fs.merge(name, names[i:i + _COMPOSE_MAX])
         joined.append(name)
-      with concurrent.futures.ThreadPoolExecutor(
-          min(len(groups), _COMPOSES_AT_ONCE),
-          thread_name_prefix="clu_ckpt-compose") as pool:
-        for future in [pool.submit(self._fs.merge, name, group)
-                       for name, group in groups]:
-          future.result()
       names = joined
     self._fs.merge(self._key, names)
 

@@ -399,27 +399,3 @@ def test_a_multipart_upload_the_store_refuses_to_open_names_the_url(
   assert "Service Unavailable" in raised.value.strerror
   assert not storage.exists(url)
   assert not _leftovers(s3, bucket)
-
-
-def test_the_composes_of_a_round_are_sent_at_once(gcs, gs_root, monkeypatch):
-  # 9 parts of at most 4 a compose: a first round of 3 composes, which all
-  # wait for each other here (sent one after the other, the first would
-  # wait alone until the barrier breaks), then the last.
-  monkeypatch.setattr(bucket_upload, "UPLOAD_BLOCK", 256 * _KIB)
-  monkeypatch.setattr(bucket_upload, "_COMPOSE_MAX", 4)
-  url = f"{gs_root}/sub/blob"
-  fs = storage.filesystem(url)
-  real = fs.fs.merge
-  together = threading.Barrier(3, timeout=30)
-
-  def merge(path, paths, *args, **kwargs):
-    if f"/{bucket_upload.PARTS_PREFIX}/" in path:
-      together.wait()
-    return real(path, paths, *args, **kwargs)
-
-  monkeypatch.setattr(fs.fs, "merge", merge)
-  data = os.urandom(9 * 256 * _KIB)
-  with storage.atomic_writer(url) as write:
-    write(data)
-  assert _read(gcs, url) == data
-  assert not _leftovers(gcs, _bucket(url))
