@@ -469,6 +469,15 @@ def test_verify_against_a_source_names_what_cannot_be_compared(
   other = tmp_path / "other"
   assert orbax_root.verify_orbax_root(str(other), str(source))["problems"] == [
       f"{other}/1: no migration metadata to compare with {source}"]
+  # An item named `metadata` that holds no `metadata` file is not compared.
+  with ocp.CheckpointManager(str(tmp_path / "third")) as mngr:
+    mngr.save(1, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"w": np.arange(3)}),
+        metadata=ocp.args.StandardSave({"v": np.arange(2)})))
+    mngr.wait_until_finished()
+  third = tmp_path / "third"
+  assert orbax_root.verify_orbax_root(str(third), str(source))["problems"] == [
+      f"{third}: no migrated step to compare with {source}"]
   # Sources that are none: each named with why.
   empty = tmp_path / "empty"
   empty.mkdir()
@@ -511,3 +520,48 @@ def test_the_hint_names_two_namings(tmp_path):
   assert orbax_root.step_naming_hint(str(root)).startswith(
       "; its entries are named like 'ckpt_0001' and 'step_0001' (two "
       "namings), which inspect")
+
+
+def _named_root(root, prefix, length, steps):
+  options = ocp.CheckpointManagerOptions(step_prefix=prefix,
+                                         step_format_fixed_length=length)
+  with ocp.CheckpointManager(str(root), options=options) as mngr:
+    for step in steps:
+      mngr.save(step, args=ocp.args.StandardSave({"w": np.arange(2) * step}))
+      mngr.wait_until_finished()
+
+
+def test_step_naming_reads_past_unfinished_names_and_single_digits(tmp_path):
+  root = tmp_path / "root"
+  _named_root(root, "step", None, [0, 3, 7])
+  names = sorted(os.listdir(root))
+  assert names == ["step_0", "step_3", "step_7"], names
+  # `step_0` is the step numbered 0, not a padding to one digit.
+  assert orbax_root.find_step_naming(str(root)) == (
+      orbax_root.StepNaming("step", None))
+  # An unfinished directory listed first does not end the reading.
+  tmp = "step_9.orbax-checkpoint-tmp-9"
+  (root / tmp).mkdir()
+  assert orbax_root.find_step_naming(str(root), [tmp] + names) == (
+      orbax_root.StepNaming("step", None))
+
+
+def test_steps_of_a_file_or_missing_root_are_none(tmp_path):
+  file = tmp_path / "file"
+  file.write_bytes(b"x")
+  for path in (file, tmp_path / "missing"):
+    assert orbax_root.read_steps(str(path)) == (orbax_root.PLAIN_STEPS, [], [])
+    assert orbax_root.list_steps(str(path)) == ([], [])
+
+
+def test_read_steps_lists_the_root_once(tmp_path, monkeypatch):
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "root"
+  _named_root(root, "step", 4, [1, 2])
+  listed = []
+  real = storage.listdir
+  monkeypatch.setattr(storage, "listdir",
+                      lambda p: listed.append(p) or real(p))
+  naming, steps, _ = orbax_root.read_steps(str(root))
+  assert naming == orbax_root.StepNaming("step", 4) and steps == [1, 2]
+  assert listed == [str(root)]
