@@ -388,6 +388,62 @@ def test_a_run_ok_whose_source_holds_what_it_did_not_read_is_named(tmp_path):
   assert run.stdout.splitlines()[-1].startswith("1 source(s) keep")
 
 
+def _golden(case, target):
+  """A writable copy of golden case `case` (`multihost/checkpoints-1`: one
+  of its directories) at `target`, without its MANIFEST.json."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from conftest import golden_case  # pylint: disable=g-import-not-at-top
+  from conftest import make_writable  # pylint: disable=g-import-not-at-top
+  name, _, sub = case.partition("/")
+  shutil.copytree(golden_case(name) / sub, target,
+                  ignore=shutil.ignore_patterns("MANIFEST.json"))
+  make_writable(target)
+
+
+def test_hosts_reached_only_through_their_directories_keep_their_source(
+    tmp_path):
+  """`runs/seed-*` names host-like directories only: `seed-0`, `seed-1` are
+  read as the hosts of a MultihostCheckpoint `runs/seed`, yet they may be
+  single-host runs of their own. ckpt-5, which only seed-0 keeps, was
+  dropped as "not on every host" and the run said ok with nothing to keep:
+  deleting the sources lost it. Now the run's entry lists it, the source
+  is kept and the line says how to name them. A genuine MultihostCheckpoint
+  preempted mid-save (host 1 has ckpt-3, host 0 not), its base named, still
+  migrates without anything to keep."""
+  _golden("single_host", tmp_path / "runs/seed-0")
+  _golden("single_host", tmp_path / "runs/seed-1")
+  for name in ("ckpt-5.flax", "ckpt-5.index", "ckpt-5.data-00000-of-00001"):
+    (tmp_path / "runs/seed-1" / name).unlink()
+  state = tmp_path / "runs/seed-1/checkpoint"  # as if it stopped at ckpt-4
+  lines = state.read_text().replace('"ckpt-5"', '"ckpt-4"').splitlines()
+  state.write_text("\n".join(dict.fromkeys(lines)) + "\n")
+  for host in (0, 1):
+    _golden(f"multihost/checkpoints-{host}",
+            tmp_path / f"mh/a/checkpoints-{host}")
+  run = _script("--source-glob=runs/seed-*", "--sources=mh/a/checkpoints",
+                "--source-root=.", "--destination-root=orbax",
+                "--report=r.json", cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((tmp_path / "r.json").read_text())
+  runs = {r["source"]: r for r in report["runs"]}
+  seed = runs["runs/seed"]
+  assert seed["status"] == "ok", seed
+  assert seed["source_not_migrated"] == ["ckpt-5"]
+  assert report["sources_to_keep"] == ["runs/seed"]
+  assert ("not on every host, not migrated: ckpt-5 (reached through "
+          "runs/seed-0, runs/seed-1 only, no glob or path naming runs/seed: "
+          "the hosts of one MultihostCheckpoint, or runs of their own whose "
+          "own checkpoints these are? Kept: do not delete it. Name them with "
+          "--sources=runs/seed (one run) or "
+          "--sources=runs/seed-0,runs/seed-1 (runs of their own))"
+          ) == seed["warning"]
+  genuine = runs["mh/a/checkpoints"]
+  assert genuine["status"] == "ok", genuine
+  assert genuine["warning"] == "not on every host, not migrated: ckpt-3"
+  assert "source_not_migrated" not in genuine
+  assert run.stdout.splitlines()[-1].startswith("1 source(s) keep")
+
+
 @pytest.mark.thorough
 def test_a_rerun_finishes_the_fleet(clu_fleet):
   """Once the missing disk is back, a re-run migrates what is left."""

@@ -1061,6 +1061,14 @@ def test_runs_named_like_hosts_are_not_fused_silently(tmp_path,
   hosts = fleet_discovery.plan_fleet([], ["runs/seed-*"])
   assert [(r.source, r.kind, r.error) for r in hosts.runs] == [
       ("runs/seed", "MultihostCheckpoint", None)]
+  # ... reached through them only: what some hosts lack is then kept.
+  assert [r.through_hosts for r in hosts.runs] == [True]
+  assert not fused.runs[0].through_hosts
+  for sources, globs in ((["runs/seed"], ["runs/seed-*"]),
+                         ([], ["runs/seed-*", "runs/seed"])):
+    named = fleet_discovery.plan_fleet(sources, globs)
+    assert [(r.source, r.through_hosts) for r in named.runs] == [
+        ("runs/seed", False)]
 
 
 def test_flax_files_of_several_prefixes_are_an_error_not_a_skip(

@@ -42,7 +42,8 @@ listed, a directory under the glob the walk cannot enter, a multihost run
 with a host missing or empty, are runs with an error, never a skip; a run
 named twice is one run). A glob or path naming a `MultihostCheckpoint`
 base covers its `<base>-<int>` host directories, and a glob matching host
-directories only covers their base (one matching `<name>` and
+directories only covers their base (a checkpoint some of them lack is then
+kept: they may be runs of their own; one matching `<name>` and
 `<name>-<int>` alike cannot tell hosts from runs: an error). A glob that
 matches nothing is an error naming it. In a bucket, each glob costs one
 listing.

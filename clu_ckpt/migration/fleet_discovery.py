@@ -18,7 +18,8 @@ reason (an empty directory, not a checkpoint directory, a host directory
 of a run listed as its base). A `MultihostCheckpoint` keeps its hosts in
 `<base>-<int>` directories: a glob or path naming `<base>` covers them
 (host 0 missing, a host empty or not CLU's: the run's error), and a glob
-matching them only covers their `<base>` (one matching `<base>` and
+matching them only covers their `<base>` (`Run.through_hosts`: they may be
+runs of their own, so what some of them lack is kept; one matching `<base>` and
 `<base>-<int>` alike cannot tell hosts from runs named so: an error). One
 function, `classify`, says what a directory is from its listing. A glob
 that matches nothing is an error naming it. In a bucket, each glob costs
@@ -528,6 +529,11 @@ class Run:
     destination: Its Orbax root (set by `assign_destinations`).
     error: Why it cannot be migrated (an explicitly named source that is
       not a checkpoint directory); it is then reported, not migrated.
+    through_hosts: A `MultihostCheckpoint` reached through its host
+      directories only (`runs/seed-*`: no glob or path names its base):
+      they may be single-host runs of their own named like hosts, so a
+      checkpoint only some of them keep is not taken for an unfinished
+      save (the run's entry lists it and its source is kept).
   """
   source: str
   kind: str
@@ -535,6 +541,7 @@ class Run:
   nbytes: int = 0
   destination: str = ""
   error: Optional[str] = None
+  through_hosts: bool = False
 
 
 @dataclasses.dataclass
@@ -649,7 +656,8 @@ def _plan_hosts(pattern: str, base: str, hosts: Mapping[int, str],
             base, *ordered}, set()
   run = Run(base, "MultihostCheckpoint", ordered,
             sum(_size(candidates[h]) for h in ordered),
-            error=_host_error(base, hosts, candidates))
+            error=_host_error(base, hosts, candidates),
+            through_hosts=not base_named and explicit is None)
   skipped = [Skipped(h, f"{HOST_REASON}{base}", pattern) for h in matched]
   return Plan([run], skipped), {base, *ordered}, set()
 
@@ -772,8 +780,12 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
   for plan in plans:
     for run in plan.runs:
       key = _identity(run.source)
+      # A base some glob or path names is not reached through its hosts
+      # only, whichever plan's entry stays.
+      hosts_only = run.through_hosts and runs.get(key, run).through_hosts
       if key not in runs or (runs[key].error and not run.error):
         runs[key] = run
+      runs[key].through_hosts = hosts_only
   _fold_unsearched(runs)
   skipped: dict[str, Skipped] = {}
   for twice in _reached_twice(list(runs.values())):
