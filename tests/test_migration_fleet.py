@@ -1161,3 +1161,65 @@ def test_a_directory_the_glob_cannot_enter_is_an_error(tmp_path, pattern):
   assert top.returncode == 2, top
   assert f"--source-glob '{pattern}': runs: cannot list: Permission denied" in (
       top.stderr)
+
+
+# --------------------------------------------------------------------------
+# What a migrated source still holds (`destination._other_entries`, through
+# which the fleet keeps a source): what cannot be seen is kept.
+# --------------------------------------------------------------------------
+
+
+def _child_without_permission_bypass(code, *args):
+  """Python `code` (argv: `args`) in a process that permissions apply to;
+  its stdout (it must exit 0)."""
+  result = subprocess.run(
+      [*_without_permission_bypass(), sys.executable, "-c", code, *args],
+      capture_output=True, text=True, check=False, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def test_an_entry_whose_kind_cannot_be_told_is_kept(tmp_path):
+  """`extra`, a link to a directory the migrating user cannot reach:
+  `os.path.isdir` says False when it cannot tell, and an entry taken for a
+  file not named like a Flax checkpoint was passed over, so the fleet and
+  `verify --source` called the source safe to delete. It is listed."""
+  source = tmp_path / "runs" / "a"
+  _golden_run("single_host", source)
+  (tmp_path / "closed" / "target").mkdir(parents=True)
+  (source / "extra").symlink_to(tmp_path / "closed" / "target")
+  (source / "notes.txt").write_text("a file: not looked at")
+  (source / "gone").symlink_to(tmp_path / "nothing")  # a link to nothing
+  code = ("import sys\n"
+          "from clu_ckpt.migration import destination\n"
+          "left = destination.checkpoints_not_migrated(sys.argv[1], "
+          "sys.argv[2])\n"
+          "print(left.entries)\n")
+  (tmp_path / "closed").chmod(0o000)
+  try:
+    out = _child_without_permission_bypass(code, str(tmp_path / "orbax"),
+                                           str(source))
+  finally:
+    (tmp_path / "closed").chmod(0o755)
+  assert out.strip() == "['extra/']"
+
+
+def test_a_host_directory_that_cannot_be_listed_again_is_kept(tmp_path):
+  """A host directory the check after the migration cannot list (its
+  permissions changed, an I/O error) was skipped (`continue`): the source
+  then looked safe to delete. It is named as not verified."""
+  base = tmp_path / "runs" / "checkpoints"
+  for host in (0, 1):
+    _golden_run(f"multihost/checkpoints-{host}",
+                tmp_path / "runs" / f"checkpoints-{host}")
+  code = ("import os, sys\n"
+          "from clu_ckpt.migration import destination, plan\n"
+          "src = plan.discover(sys.argv[1])\n"
+          "os.chmod(sys.argv[1] + '-1', 0o311)  # searchable, not listable\n"
+          "print(destination._other_entries(src))\n")
+  try:
+    out = _child_without_permission_bypass(code, str(base))
+  finally:
+    (tmp_path / "runs" / "checkpoints-1").chmod(0o755)
+  assert out.strip() == ("['checkpoints-1/ (not verified: cannot list it: "
+                         "Permission denied)']")
