@@ -920,3 +920,133 @@ def test_a_merge_takes_no_report_without_a_launch(tmp_path):
       "reports/shard-1.json"]
   assert "no launch identity" in merged["stale_reports"][0]["reason"]
   assert done.returncode == 1
+
+
+# --------------------------------------------------------------------------
+# A bucket whose listing fails: never a run left out unseen.
+# --------------------------------------------------------------------------
+
+
+class _RefusingProxy:
+  """An HTTP proxy on 127.0.0.1 in front of an emulator that answers 403
+  to the listings `refuse(prefix)` picks (as a store's policy denying a
+  prefix would) and forwards everything else."""
+
+  def __init__(self, emulator, refuse):
+    import http.client  # pylint: disable=g-import-not-at-top
+    import http.server  # pylint: disable=g-import-not-at-top
+    import urllib.parse  # pylint: disable=g-import-not-at-top
+    self.refused = []
+    proxy, port, gcs = self, emulator.port, emulator.scheme == "gs"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      protocol_version = "HTTP/1.1"
+
+      def log_message(self, *args):
+        del args
+
+      def _answer(self, status, headers, data):
+        self.send_response(status)
+        for k, v in headers:
+          if k.lower() not in ("transfer-encoding", "connection",
+                               "content-length"):
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+          self.wfile.write(data)
+
+      def _any(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        url = urllib.parse.urlsplit(self.path)
+        prefix = urllib.parse.parse_qs(url.query).get("prefix")
+        listing = self.command == "GET" and prefix is not None and (
+            url.path.endswith("/o") if gcs else "list-type" in url.query)
+        if listing and refuse(prefix[0]):
+          proxy.refused.append(prefix[0])
+          self._answer(403, [("Content-Type", "application/json")] if gcs
+                       else [("Content-Type", "application/xml")],
+                       b'{"error": {"code": 403, "message": "denied"}}' if gcs
+                       else b"<?xml version='1.0'?><Error><Code>AccessDenied"
+                       b"</Code><Message>denied</Message></Error>")
+          return
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request(self.command, self.path, body=body, headers={
+            k: v for k, v in self.headers.items()
+            if k.lower() not in ("host", "connection")})
+        response = conn.getresponse()
+        self._answer(response.status, response.getheaders(), response.read())
+        conn.close()
+
+      do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _any
+
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.server.daemon_threads = True
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+  def __enter__(self):
+    import threading  # pylint: disable=g-import-not-at-top
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    return self
+
+  def __exit__(self, *exc):
+    self.server.shutdown()
+    self.server.server_close()
+
+
+def _bucket_fleet(emulator, proxy, *args):
+  """The fleet's dry run, its store reached through `proxy`."""
+  env = emulator.child_env(PYTHONPATH=str(SCRIPT.parents[1]))
+  env.pop("JOB_COMPLETION_INDEX", None)
+  for name in (("STORAGE_EMULATOR_HOST",) if emulator.scheme == "gs" else
+               ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")):
+    env[name] = proxy.url
+  return subprocess.run([sys.executable, str(SCRIPT), *args,
+                         "--destination-root=orbax", "--dry-run"],
+                        capture_output=True, text=True, env=env, timeout=300,
+                        check=False, cwd=emulator.root)
+
+
+def test_a_bucket_listing_refused_is_an_error_naming_it(gcs):
+  """The listing of a glob's prefix refused by the store: the fleet said
+  `OSError: Forbidden: b/<bucket>/o`, naming neither the glob nor the
+  path. It is a usage error naming both (as a local top directory that
+  cannot be listed is); a run named with --sources there is an error."""
+  from conftest import golden_case  # pylint: disable=g-import-not-at-top
+  url = gcs.upload(golden_case("single_host"), "runs/a/checkpoints")
+  bucket = url.split("/")[2]
+  with _RefusingProxy(gcs, lambda p: p.startswith("runs")) as proxy:
+    glob_run = _bucket_fleet(
+        gcs, proxy, f"--source-glob=gs://{bucket}/runs/*/checkpoints")
+    named = _bucket_fleet(gcs, proxy, f"--sources={url}",
+                          f"--source-root=gs://{bucket}/runs")
+  assert proxy.refused, "the listing was not refused"
+  assert glob_run.returncode == 2, glob_run
+  assert glob_run.stderr.splitlines() == [
+      f"migrate_runs.py: error: --source-glob 'gs://{bucket}/runs/*/"
+      f"checkpoints': gs://{bucket}/runs: cannot list: OSError: Forbidden: "
+      f"b/{bucket}/o denied (runs below it that gs://{bucket}/runs/*/"
+      "checkpoints would match cannot be seen)"]
+  assert named.returncode == 1, named
+  assert (f"cannot migrate {url}: cannot list gs://{bucket}/runs/a: "
+          "OSError: Forbidden") in named.stdout, named.stdout
+
+
+def test_a_prefix_whose_listing_fails_leaves_no_run_out(s3):
+  """S3 (s3fs) walked a glob's prefixes one listing each, and fsspec's walk
+  passes over a listing that fails: with `runs/p1/` refused (a policy
+  denying that prefix), run p1 was left out, the dry run said 1 run and
+  exit 0. One flat listing of the glob's prefix finds both."""
+  from conftest import golden_case  # pylint: disable=g-import-not-at-top
+  url = s3.upload(golden_case("single_host"), "runs/a/checkpoints")
+  bucket = url.split("/")[2]
+  s3.upload(golden_case("single_host"), "runs/p1/checkpoints", bucket=bucket)
+  with _RefusingProxy(s3, lambda p: p.startswith("runs/p1")) as proxy:
+    result = _bucket_fleet(
+        s3, proxy, f"--source-glob=s3://{bucket}/runs/*/checkpoints")
+  assert result.returncode == 0, result
+  assert [l.split(" -> ")[0] for l in result.stdout.splitlines()
+          if l.startswith("would migrate")] == [
+              f"would migrate s3://{bucket}/runs/{run}/checkpoints"
+              for run in ("a", "p1")]

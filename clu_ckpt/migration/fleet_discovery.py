@@ -337,8 +337,9 @@ def list_candidates(pattern: str) -> dict[str, Entries]:
   """Paths matching `pattern` or `pattern-<int>`, each with its entries.
 
   Locally: two globs and one directory listing per path. In a bucket: one
-  recursive listing under the pattern's fixed prefix, two levels deeper
-  than the pattern (every level with `**`), matched here.
+  flat listing under the pattern's fixed prefix, kept two levels deeper
+  than the pattern (every level with `**`), matched here; a listing that
+  fails is that prefix `Unsearched` (an error naming it, never a skip).
 
   Args:
     pattern: A glob (a literal path is a glob matching itself): `*`, `?`,
@@ -475,10 +476,21 @@ def _list_bucket(pattern: str) -> dict[str, Entries]:
   prefix = split_url(glob_prefix(pattern))[1].rstrip("/")
   depth = (None if "**" in key_pattern.split("/") else
            key_pattern.count("/") - prefix.count("/") + 1)
-  found = fs.find(prefix, maxdepth=depth, withdirs=True, detail=True)
+  try:
+    # One flat listing, not fsspec's walk (`maxdepth`): its walk passes
+    # over a prefix whose listing fails (s3fs), leaving its runs out unseen.
+    found = fs.find(prefix, withdirs=True, detail=True)
+  except Exception as e:  # pylint: disable=broad-except
+    from clu_ckpt import bucket_client  # pylint: disable=g-import-not-at-top
+    e = bucket_client.translate(e, scheme + prefix)
+    why = " ".join(((e.strerror if isinstance(e, OSError) else None) or
+                    str(e)).split())  # one line
+    return {scheme + prefix: Unsearched(f"{type(e).__name__}: {why}")}
   host_pattern = key_pattern + "-[0-9]*"
   candidates: dict[str, Entries] = {}
-  found = {key.rstrip("/"): info for key, info in found.items()}
+  found = {key.rstrip("/"): info for key, info in found.items()
+           if depth is None or
+           key.rstrip("/").count("/") <= prefix.count("/") + depth}
   for key, info in found.items():
     if _matches(key, key_pattern) or (_matches(key, host_pattern) and
                                       _HOST_DIR_RE.match(key)):
