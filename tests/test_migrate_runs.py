@@ -1050,3 +1050,28 @@ def test_a_prefix_whose_listing_fails_leaves_no_run_out(s3):
           if l.startswith("would migrate")] == [
               f"would migrate s3://{bucket}/runs/{run}/checkpoints"
               for run in ("a", "p1")]
+
+
+def test_a_sources_file_line_not_utf8_is_an_error_of_its_own(tmp_path):
+  """One line of a sources file in another encoding stopped the whole
+  fleet ("not UTF-8 text", exit 2). That line is now a run of its own, an
+  error naming it escaped (a name Orbax cannot write, or not there); the
+  other lines go on."""
+  clu_dir(tmp_path, "runs/a/checkpoints")
+  clu_dir(tmp_path, os.fsdecode(b"runs/caf\xe9/checkpoints"))
+  (tmp_path / "list.txt").write_bytes(
+      b"\xef\xbb\xbfruns/a/checkpoints\nruns/caf\xe9/checkpoints\n"
+      b"runs/gone\xff  # a comment\n")
+  run = _strict_script("--sources-file=list.txt", "--source-root=runs",
+                       "--destination-root=orbax", "--dry-run", cwd=tmp_path)
+  assert run.returncode == 1 and not run.stderr, run.stderr
+  lines = run.stdout.splitlines()
+  assert lines[:3] == [
+      "would migrate runs/a/checkpoints -> orbax/a/checkpoints (Checkpoint, "
+      "0 B)",
+      "cannot migrate runs/caf\\xe9/checkpoints: its destination "
+      "orbax/caf\\xe9/checkpoints is not valid UTF-8 (the source's name holds "
+      "bytes that are not): Orbax's TensorStore writes UTF-8 names only; "
+      "rename the source and migrate it again",
+      "cannot migrate runs/gone\\xff: no such directory, and no "
+      "gone\\xff-<host_id> directories beside it"], lines

@@ -11,6 +11,7 @@ tests/test_migrate_runs.py.
 """
 
 import argparse
+import os
 import io
 import glob
 import json
@@ -1223,3 +1224,16 @@ def test_a_host_directory_that_cannot_be_listed_again_is_kept(tmp_path):
     (tmp_path / "runs" / "checkpoints-1").chmod(0o755)
   assert out.strip() == ("['checkpoints-1/ (not verified: cannot list it: "
                          "Permission denied)']")
+
+
+def test_a_bucket_path_not_utf8_is_an_error_of_its_own(tmp_path):
+  """A `gs://` line of a sources file in another encoding: a run with an
+  error naming it (a bucket's names are UTF-8), not a crash of the plan."""
+  listing = tmp_path / "list.txt"
+  listing.write_bytes(b"gs://b/runs/caf\xe9\n")
+  sources = fleet_discovery.read_sources_file(str(listing))
+  assert [os.fsencode(s) for s in sources] == [b"gs://b/runs/caf\xe9"]
+  plan = fleet_discovery.plan_fleet(sources, [])
+  assert [(os.fsencode(r.source), r.error) for r in plan.runs] == [(
+      b"gs://b/runs/caf\xe9", "not valid UTF-8 (a line of --sources-file in "
+      "another encoding?): a bucket's names are UTF-8")]

@@ -783,6 +783,11 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
                          f"{run.error}")
     plans.append(plan)
   for source in sources:
+    if split_url(source)[0] and not _is_utf8(source):
+      plans.append(Plan([Run(normalize_path(source), "Checkpoint", error=(
+          "not valid UTF-8 (a line of --sources-file in another encoding?): "
+          "a bucket's names are UTF-8"))], []))
+      continue
     escaped = storage.glob_escape(normalize_path(source))
     plans.append(plan_pattern(escaped, lister(escaped),
                               explicit=normalize_path(source)))
@@ -809,6 +814,14 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
         skipped.setdefault(_identity(s.path), s)
   return Plan(sorted(runs.values(), key=lambda r: r.source),
               sorted(skipped.values(), key=lambda s: s.path))
+
+
+def _is_utf8(text: str) -> bool:
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:  # bytes that are not, as surrogates
+    return False
+  return True
 
 
 def _fold_unsearched(runs: dict[str, Run]) -> None:
@@ -866,19 +879,21 @@ def read_sources_file(path: str) -> list[str]:
       blank, so that a "#" inside a name (`runs/exp#3`) stays part of it.
 
   Returns:
-    The paths, as written (surrounding blanks removed).
+    The paths, as written (surrounding blanks removed). A line that is not
+    UTF-8 is decoded as Python decodes file names (`os.fsdecode`: each
+    byte that is not becomes a surrogate, `\udcff`): a local name in those
+    bytes is found, and that run, whose name Orbax cannot write, is an
+    error naming it, as when a glob finds it; the other lines go on.
 
   Raises:
-    UsageError: The file cannot be read, or is not UTF-8 text.
+    UsageError: The file cannot be read.
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   try:
-    # utf-8-sig: a file saved by an editor that starts it with a BOM.
-    text = storage.read_bytes(path).decode("utf-8-sig")
+    text = storage.read_bytes(path).decode("utf-8", "surrogateescape")
   except OSError as e:
     raise UsageError(f"--sources-file {path}: {e.strerror or e}") from None
-  except UnicodeDecodeError as e:
-    raise UsageError(f"--sources-file {path}: not UTF-8 text ({e})") from None
+  text = text[1:] if text.startswith("\ufeff") else text  # an editor's BOM
   lines = [_COMMENT_RE.sub("", l).strip() for l in text.splitlines()]
   return [l for l in lines if l]
 
