@@ -1237,3 +1237,75 @@ def test_a_bucket_path_not_utf8_is_an_error_of_its_own(tmp_path):
   assert [(os.fsencode(r.source), r.error) for r in plan.runs] == [(
       b"gs://b/runs/caf\xe9", "not valid UTF-8 (a line of --sources-file in "
       "another encoding?): a bucket's names are UTF-8")]
+
+
+# --------------------------------------------------------------------------
+# --exclude: runs left out on purpose, each listed as skipped.
+# --------------------------------------------------------------------------
+
+
+def test_excluded_runs_are_skipped_with_the_pattern(tree):
+  """A run an `--exclude` glob matches, or one below a path it matches, is
+  skipped naming the pattern (never dropped unseen); a MultihostCheckpoint
+  with one host excluded is an error (all its hosts or none)."""
+  plan = fleet_discovery.plan_fleet(
+      ["runs/b/checkpoints"], ["runs/*/checkpoints"],
+      excludes=["runs/a", f"{tree}/runs/b/check*"])
+  runs, skipped = _summary(plan)
+  assert [r[0] for r in runs] == ["runs/f/checkpoints", "runs/m/checkpoints"]
+  assert ("runs/a/checkpoints", "excluded (--exclude runs/a)") in skipped
+  assert ("runs/b/checkpoints",
+          f"excluded (--exclude {tree}/runs/b/check*)") in skipped
+  one_host = fleet_discovery.plan_fleet(
+      [], ["runs/m/checkpoints"], excludes=["runs/*/checkpoints-1"])
+  assert [(r.source, r.error) for r in one_host.runs] == [(
+      "runs/m/checkpoints", "host directory runs/m/checkpoints-1 is excluded "
+      "(--exclude runs/*/checkpoints-1): a MultihostCheckpoint is migrated "
+      "with all its hosts or not at all; exclude runs/m/checkpoints instead, "
+      "or none of its hosts")]
+  base = fleet_discovery.plan_fleet([], ["runs/m/checkpoints"],
+                                    excludes=["runs/m/checkpoints"])
+  assert not base.runs
+  assert ("runs/m/checkpoints", "excluded (--exclude runs/m/checkpoints)") in [
+      (s.path, s.reason) for s in base.skipped]
+
+
+@pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
+                                     "runs/**/checkpoints"])
+def test_a_root_only_directory_can_be_excluded(tmp_path, pattern):
+  """`lost+found` (root's alone) under the glob failed a fleet run as
+  another user, with no way to leave it out. `--exclude` leaves it out,
+  listed as skipped with why, on the terminal and in the report; what is
+  below a run stays that run's error."""
+  _golden_run("single_host", tmp_path / "runs/ok/checkpoints")
+  (tmp_path / "runs/lost+found").mkdir()
+  (tmp_path / "runs/lost+found").chmod(0o000)
+  try:
+    plain = _fleet_without_permission_bypass(
+        tmp_path, f"--source-glob={pattern}")
+    excluded = _fleet_without_permission_bypass(
+        tmp_path, f"--source-glob={pattern}", "--exclude=runs/lost+found",
+        "--exclude=runs/*/other")
+    report = subprocess.run(
+        [*_without_permission_bypass(), sys.executable,
+         str(Path(__file__).resolve().parents[1] / "migration" /
+             "migrate_runs.py"), f"--source-glob={pattern}",
+         "--exclude=**/lost+found", "--destination-root=orbax",
+         "--report=r.json"], cwd=tmp_path, capture_output=True, text=True,
+        check=False, timeout=300)
+  finally:
+    (tmp_path / "runs/lost+found").chmod(0o755)
+  assert plain.returncode == 1, plain
+  assert "cannot migrate runs/lost+found: cannot list: Permission denied" in (
+      plain.stdout)
+  assert excluded.returncode == 0, excluded
+  lines = excluded.stdout.splitlines()
+  assert ("skipped runs/lost+found: excluded (--exclude runs/lost+found)"
+          in lines), lines
+  assert [l.split(" -> ")[0] for l in lines if "migrate" in l][:1] == [
+      "would migrate runs/ok/checkpoints"]
+  assert report.returncode == 0, report.stdout + report.stderr
+  written = json.loads((tmp_path / "r.json").read_text())
+  assert [r["source"] for r in written["runs"]] == ["runs/ok/checkpoints"]
+  assert [(s["path"], s["reason"]) for s in written["skipped"]] == [
+      ("runs/lost+found", "excluded (--exclude **/lost+found)")]

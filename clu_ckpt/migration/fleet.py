@@ -9,7 +9,7 @@ Synopsis::
 
   # What would be migrated, and what is skipped and why (writes nothing):
   python migration/migrate_runs.py --source-glob='/runs/*/checkpoints' \
-      --destination-root=/orbax_runs --dry-run
+      --exclude=/runs/lost+found --destination-root=/orbax_runs --dry-run
 
   # Retrying one run of that fleet: same destination root, same layout.
   python migration/migrate_runs.py --sources=/runs/c/checkpoints \
@@ -46,7 +46,9 @@ directories only covers their base (a checkpoint some of them lack is then
 kept: they may be runs of their own; one matching `<name>` and
 `<name>-<int>` alike cannot tell hosts from runs: an error). A glob that
 matches nothing is an error naming it. In a bucket, each glob costs one
-listing.
+listing. `--exclude GLOB` (repeatable) leaves out what it matches and all
+below it (a root-only `lost+found`), each listed as skipped with the
+pattern.
 
 Destinations: `<destination-root>/<the run's path relative to the source
 root>`. The source root is `--source-root`, or the one recorded in
@@ -208,6 +210,10 @@ def build_parser(prog: str = PROG
   fleet.add_argument("--source-glob", action="append", default=[],
                      metavar="GLOB", help="a glob matching sources "
                      "(repeatable); quote it")
+  fleet.add_argument("--exclude", action="append", default=[],
+                     metavar="GLOB", help="leave out the runs this path or "
+                     "glob matches, and all below it (a root-only "
+                     "lost+found); each is listed as skipped (repeatable)")
   fleet.add_argument("--sources-file", metavar="FILE",
                      help="a file listing one source per line")
   fleet.add_argument("--destination-root", metavar="DIR",
@@ -413,7 +419,7 @@ class _Shard:
     recorded = read_recorded_root(args.destination_root)
     root = choose_source_root(args.source_root, recorded, args.source_glob,
                               sources)
-    plan = plan_fleet(sources, args.source_glob)
+    plan = plan_fleet(sources, args.source_glob, excludes=args.exclude)
     assign_destinations(plan.runs, root, args.destination_root)
     for run in plan.runs:
       if run.error is None:
@@ -645,7 +651,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
 def _main(args: argparse.Namespace, dests: Sequence[str],
           prog: str) -> int:
   # `file://` URLs name local paths: planned, compared and written as such.
-  for name in ("source_glob", "reports"):
+  for name in ("source_glob", "reports", "exclude"):
     setattr(args, name, [plain_local(p) for p in getattr(args, name)])
   for name in ("sources_file", "destination_root", "source_root", "report",
                "merge_reports"):

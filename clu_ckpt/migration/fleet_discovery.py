@@ -751,14 +751,19 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
 
 
 def plan_fleet(sources: Sequence[str], globs: Sequence[str],
-               lister: Callable[[str], Mapping[str, Entries]] = list_candidates
-               ) -> Plan:
+               lister: Callable[[str], Mapping[str, Entries]] = list_candidates,
+               excludes: Sequence[str] = ()) -> Plan:
   """Every run named or matched, and every matched path skipped.
 
   Args:
     sources: Paths named directly (`--sources`, `--sources-file`).
     globs: `--source-glob` patterns.
     lister: `list_candidates` (a test may count its calls).
+    excludes: `--exclude` globs: a run (or a directory the walk cannot
+      list, such as a root-only `lost+found`) that one matches, or that is
+      below a path one matches, is skipped with the pattern as its reason.
+      A host directory of a run whose base is not excluded makes the run an
+      error (a `MultihostCheckpoint` goes with all its hosts or none).
 
   Returns:
     The plan, runs and skipped paths sorted and de-duplicated (a path that
@@ -770,6 +775,7 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   sources, globs = map(plain_local, sources), map(plain_local, globs)
+  excludes = [plain_local(e) for e in excludes]
   plans = []
   for pattern in globs:
     plan = plan_pattern(pattern, lister(pattern))
@@ -803,8 +809,10 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
       if key not in runs or (runs[key].error and not run.error):
         runs[key] = run
       runs[key].through_hosts = hosts_only
-  _fold_unsearched(runs)
   skipped: dict[str, Skipped] = {}
+  for key, why in _excluded_runs(runs, excludes).items():
+    skipped[key] = Skipped(runs.pop(key).source, why, "")
+  _fold_unsearched(runs)
   for twice in _reached_twice(list(runs.values())):
     del runs[_identity(twice.path)]
     skipped[_identity(twice.path)] = twice
@@ -814,6 +822,47 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
         skipped.setdefault(_identity(s.path), s)
   return Plan(sorted(runs.values(), key=lambda r: r.source),
               sorted(skipped.values(), key=lambda s: s.path))
+
+
+def _excluded_by(path: str, excludes: Sequence[str]) -> Optional[str]:
+  """The first of `excludes` matching `path` or a directory above it."""
+  key = _identity(path)
+  while True:
+    for pattern in excludes:
+      if _matches(key, _identity(pattern)):
+        return pattern
+    parent = parent_path(key)
+    if parent == key or not split_url(parent)[1]:
+      return None
+    key = parent
+
+
+def _excluded_runs(runs: Mapping[str, Run], excludes: Sequence[str]
+                   ) -> dict[str, str]:
+  """The runs `--exclude` leaves out (key -> the skip's reason); a run with
+  an excluded host directory gets an error instead. A directory the walk
+  could not list inside a run that stays is that run's error still (the
+  run's source holds it)."""
+  if not excludes:
+    return {}
+  out = {}
+  for key, run in runs.items():
+    pattern = _excluded_by(run.source, excludes)
+    if pattern is not None and run.kind == UNSEARCHED and any(
+        r.kind != UNSEARCHED and relative_path(key, k) and
+        _excluded_by(r.source, excludes) is None for k, r in runs.items()):
+      continue
+    if pattern is not None:
+      out[key] = f"excluded (--exclude {pattern})"
+      continue
+    hosts = [(h, p) for h in run.hosts
+             if (p := _excluded_by(h, excludes)) is not None]
+    if hosts and run.error is None:
+      run.error = (f"host directory {hosts[0][0]} is excluded (--exclude "
+                   f"{hosts[0][1]}): a MultihostCheckpoint is migrated with "
+                   f"all its hosts or not at all; exclude {run.source} "
+                   "instead, or none of its hosts")
+  return out
 
 
 def _is_utf8(text: str) -> bool:
