@@ -27,8 +27,11 @@ SCRIPT = Path(__file__).resolve().parents[1] / "migration" / "migrate_runs.py"
 
 
 def _environment():
-  """os.environ without JOB_COMPLETION_INDEX (it would pick a shard)."""
-  return {k: v for k, v in os.environ.items() if k != "JOB_COMPLETION_INDEX"}
+  """os.environ without JOB_COMPLETION_INDEX (it would pick a shard) and
+  the launch ids a scheduler sets."""
+  return {k: v for k, v in os.environ.items() if k not in (
+      "JOB_COMPLETION_INDEX", "SLURM_ARRAY_JOB_ID",
+      "CLU_CKPT_FLEET_LAUNCH_ID")}
 
 
 def _start(*args, cwd, **kwargs):
@@ -864,6 +867,34 @@ def test_a_merge_tells_launches_apart_by_their_id(tmp_path):
   assert [(s["report"], s["reason"]) for s in merged["stale_reports"]] == [
       ("reports/shard-0.json", "from another launch than "
        "reports/shard-1.json (the newest): launch id 'job-1', not 'job-2'")]
+
+
+def test_a_slurm_array_names_its_launch_without_a_flag(tmp_path):
+  """Tasks of one Slurm array share `$SLURM_ARRAY_JOB_ID`, the next array
+  has another: the launch id without `--launch-id`. An identical relaunch
+  (same runs, shards and options) whose shard 0 never ran was one launch
+  with the first, whose shard 0 report stood in for it: merged ok."""
+  runs = ["A", "B", "C"]
+  _launch(tmp_path, runs, [0, 1], 2, env={"SLURM_ARRAY_JOB_ID": "41"})
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged["missing_shards"] == [] and merged["complete"]
+  assert merged["launch"]["id"] == "41"
+  assert "no --launch-id" not in done.stdout
+  _launch(tmp_path, runs, [1], 2, env={"SLURM_ARRAY_JOB_ID": "42"})
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert done.returncode == 1 and not merged["complete"]
+  assert merged["missing_shards"] == [0]
+  assert [(s["report"], s["reason"]) for s in merged["stale_reports"]] == [
+      ("reports/shard-0.json", "from another launch than "
+       "reports/shard-1.json (the newest): launch id '41', not '42'")]
+  # --launch-id and $CLU_CKPT_FLEET_LAUNCH_ID still come first.
+  _launch(tmp_path, runs, [0], 2, env={"SLURM_ARRAY_JOB_ID": "43",
+                                       "CLU_CKPT_FLEET_LAUNCH_ID": "42"})
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged["missing_shards"] == [] and merged["complete"], merged
 
 
 @pytest.mark.thorough

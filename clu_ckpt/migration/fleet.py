@@ -133,6 +133,7 @@ from clu_ckpt.migration.fleet_discovery import plan_fleet
 from clu_ckpt.migration.fleet_discovery import read_sources_file
 from clu_ckpt.migration.fleet_discovery import Run
 from clu_ckpt.migration.fleet_report import count_statuses
+from clu_ckpt.migration.fleet_report import default_launch_id
 from clu_ckpt.migration.fleet_report import sources_to_keep
 from clu_ckpt.migration.fleet_report import FINISHED
 from clu_ckpt.migration.fleet_report import MISSING
@@ -235,9 +236,10 @@ def build_parser(prog: str = PROG
                      help="the JSON report (default migration_report.json, "
                      "or migration_report-<I>-of-<N>.json for a shard)")
   fleet.add_argument("--launch-id", metavar="ID",
-                     default=os.environ.get(LAUNCH_ENV) or None,
+                     default=default_launch_id(os.environ),
                      help="names this launch of a sharded fleet, the same on "
-                     "every shard (default ${LAUNCH_ENV}); --merge-reports "
+                     f"every shard (default ${LAUNCH_ENV}, else the Slurm "
+                     "array's $SLURM_ARRAY_JOB_ID); --merge-reports "
                      "merges the reports of one launch only")
   fleet.add_argument("--merge-reports", metavar="OUT",
                      help="migrate nothing: merge the reports given as "
