@@ -445,6 +445,15 @@ def test_hosts_reached_only_through_their_directories_keep_their_source(
   assert genuine["warning"] == "not on every host, not migrated: ckpt-3"
   assert "source_not_migrated" not in genuine
   assert run.stdout.splitlines()[-1].startswith("1 source(s) keep")
+  # --state-host takes host 0's state without comparing: seed-1's own
+  # state, if it is a run of its own, is not migrated either.
+  run = _script("--source-glob=runs/seed-*", "--source-root=.",
+                "--destination-root=orbax2", "--report=r2.json",
+                "--state-host=0", cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  seed, = json.loads((tmp_path / "r2.json").read_text())["runs"]
+  assert seed["source_not_migrated"] == [
+      "ckpt-5", "state of runs/seed-1 (not compared: --state-host)"]
 
 
 @pytest.mark.thorough

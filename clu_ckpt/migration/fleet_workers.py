@@ -178,8 +178,16 @@ class _Worker:
         entry["warning"] = (f"not on every host, not migrated: "
                             f"{', '.join(f'ckpt-{n}' for n in lacking)}")
       hosts_only = task.get("through_hosts")
-      if lacking and hosts_only:
-        entry["warning"] += _hosts_or_runs(task["source"], hosts_only)
+      # Read as hosts, runs of their own lose what only some of them keep,
+      # and, with --state-host, the states of the others (not compared).
+      unread = [f"state of {h} (not compared: --state-host)"
+                for i, h in enumerate(hosts_only or [])
+                if options.get("state_host") not in (None, i)] if (
+                    len(summary.hosts) > 1) else []
+      if hosts_only and (lacking or unread):
+        entry["warning"] = "; ".join(filter(None, [
+            entry.get("warning"), ", ".join(unread)])) + _hosts_or_runs(
+                task["source"], hosts_only)
       if summary.ok and lacking and not summary.steps:
         # Checkpoints are there, but none on every host: nothing migrated,
         # which an operator must not read as a run done.
@@ -187,12 +195,12 @@ class _Worker:
       elif summary.ok:
         entry["status"] = "ok"
         _name_what_the_source_keeps(entry, summary.dry_run)
-        if lacking and hosts_only and not summary.dry_run:
+        if hosts_only and (lacking or unread) and not summary.dry_run:
           # Maybe not unfinished saves: the checkpoints of a run of its own.
           kept = entry.get("source_not_migrated", [])
           entry["source_not_migrated"] = [
               *(f"ckpt-{n}" for n in lacking if f"ckpt-{n}" not in kept),
-              *kept]
+              *unread, *kept]
       else:
         entry.update(status="failed", error="; ".join(
             f"ckpt-{s.number}: {s.error}" for s in summary.failed))
