@@ -403,6 +403,18 @@ def _golden(case, target):
   make_writable(target)
 
 
+def _forked_runs(tmp_path):
+  """runs/seed-0, runs/seed-1: single-host runs forked from one, seed-1
+  stopped at ckpt-4 (seed-0 has ckpt-5 too)."""
+  _golden("single_host", tmp_path / "runs/seed-0")
+  _golden("single_host", tmp_path / "runs/seed-1")
+  for name in ("ckpt-5.flax", "ckpt-5.index", "ckpt-5.data-00000-of-00001"):
+    (tmp_path / "runs/seed-1" / name).unlink()
+  state = tmp_path / "runs/seed-1/checkpoint"
+  lines = state.read_text().replace('"ckpt-5"', '"ckpt-4"').splitlines()
+  state.write_text("\n".join(dict.fromkeys(lines)) + "\n")
+
+
 def test_hosts_reached_only_through_their_directories_keep_their_source(
     tmp_path):
   """`runs/seed-*` names host-like directories only: `seed-0`, `seed-1` are
@@ -413,13 +425,7 @@ def test_hosts_reached_only_through_their_directories_keep_their_source(
   is kept and the line says how to name them. A genuine MultihostCheckpoint
   preempted mid-save (host 1 has ckpt-3, host 0 not), its base named, still
   migrates without anything to keep."""
-  _golden("single_host", tmp_path / "runs/seed-0")
-  _golden("single_host", tmp_path / "runs/seed-1")
-  for name in ("ckpt-5.flax", "ckpt-5.index", "ckpt-5.data-00000-of-00001"):
-    (tmp_path / "runs/seed-1" / name).unlink()
-  state = tmp_path / "runs/seed-1/checkpoint"  # as if it stopped at ckpt-4
-  lines = state.read_text().replace('"ckpt-5"', '"ckpt-4"').splitlines()
-  state.write_text("\n".join(dict.fromkeys(lines)) + "\n")
+  _forked_runs(tmp_path)
   for host in (0, 1):
     _golden(f"multihost/checkpoints-{host}",
             tmp_path / f"mh/a/checkpoints-{host}")
@@ -445,8 +451,13 @@ def test_hosts_reached_only_through_their_directories_keep_their_source(
   assert genuine["warning"] == "not on every host, not migrated: ckpt-3"
   assert "source_not_migrated" not in genuine
   assert run.stdout.splitlines()[-1].startswith("1 source(s) keep")
-  # --state-host takes host 0's state without comparing: seed-1's own
-  # state, if it is a run of its own, is not migrated either.
+
+
+@pytest.mark.thorough
+def test_hosts_reached_through_their_directories_with_state_host(tmp_path):
+  """--state-host takes host 0's state without comparing: seed-1's own
+  state, if it is a run of its own, is not migrated either: kept."""
+  _forked_runs(tmp_path)
   run = _script("--source-glob=runs/seed-*", "--source-root=.",
                 "--destination-root=orbax2", "--report=r2.json",
                 "--state-host=0", cwd=tmp_path)

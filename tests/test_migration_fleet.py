@@ -1270,6 +1270,7 @@ def test_excluded_runs_are_skipped_with_the_pattern(tree):
       (s.path, s.reason) for s in base.skipped]
 
 
+@pytest.mark.thorough("runs/**/checkpoints")
 @pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
                                      "runs/**/checkpoints"])
 def test_a_root_only_directory_can_be_excluded(tmp_path, pattern):
