@@ -930,7 +930,7 @@ def read_sources_file(path: str) -> list[str]:
   Returns:
     The paths, as written (surrounding blanks removed). A line that is not
     UTF-8 is decoded as Python decodes file names (`os.fsdecode`: each
-    byte that is not becomes a surrogate, `\udcff`): a local name in those
+    byte that is not becomes a lone surrogate): a local name in those
     bytes is found, and that run, whose name Orbax cannot write, is an
     error naming it, as when a glob finds it; the other lines go on.
 
