@@ -1310,3 +1310,16 @@ def test_a_root_only_directory_can_be_excluded(tmp_path, pattern):
   assert [r["source"] for r in written["runs"]] == ["runs/ok/checkpoints"]
   assert [(s["path"], s["reason"]) for s in written["skipped"]] == [
       ("runs/lost+found", "excluded (--exclude **/lost+found)")]
+
+
+def test_a_source_that_cannot_be_read_again_is_kept(tmp_path):
+  """Migrated, then not readable for the check of what it keeps (a
+  bucket's outage, a disk gone): the run said ok with nothing to keep."""
+  entry = {"source": str(tmp_path / "gone"), "destination": str(tmp_path),
+           "status": "ok"}
+  fleet_workers._name_what_the_source_keeps(entry, False)  # pylint: disable=protected-access
+  assert entry["source_not_migrated"] == [
+      "(not verified: the source could not be read again after its "
+      "migration)"]
+  assert entry["warning"].endswith("is not verified: do not delete it")
+  assert fleet_report.sources_to_keep([entry]) == [str(tmp_path / "gone")]

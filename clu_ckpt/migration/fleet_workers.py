@@ -228,7 +228,14 @@ def _name_what_the_source_keeps(entry: dict[str, Any], dry_run: bool
     return
   left = destination.checkpoints_not_migrated(entry["destination"],
                                               entry["source"])
-  if left is None or not left.anything:
+  if left is None:  # read moments ago, not now (a bucket's outage...)
+    note = ("the source could not be read again after its migration: what "
+            "it keeps is not verified: do not delete it")
+    entry["source_not_migrated"] = [f"(not verified: {note.split(': ')[0]})"]
+    entry["warning"] = (f"{entry['warning']}; {note}" if entry.get("warning")
+                        else note)
+    return
+  if not left.anything:
     return
   # Entries the migration does not read (an Orbax step, a run inside the
   # run) count as what the source keeps: `sources_to_keep` follows this.
