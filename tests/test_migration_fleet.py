@@ -1263,6 +1263,10 @@ def test_excluded_runs_are_skipped_with_the_pattern(tree):
       "(--exclude runs/*/checkpoints-1): a MultihostCheckpoint is migrated "
       "with all its hosts or not at all; exclude runs/m/checkpoints instead, "
       "or none of its hosts")]
+  anywhere = fleet_discovery.plan_fleet([], [f"{tree}/runs/*/checkpoints"],
+                                        excludes=["**/a"])
+  assert (f"{tree}/runs/a/checkpoints", "excluded (--exclude **/a)") in [
+      (s.path, s.reason) for s in anywhere.skipped]
   base = fleet_discovery.plan_fleet([], ["runs/m/checkpoints"],
                                     excludes=["runs/m/checkpoints"])
   assert not base.runs

@@ -825,11 +825,14 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
 
 
 def _excluded_by(path: str, excludes: Sequence[str]) -> Optional[str]:
-  """The first of `excludes` matching `path` or a directory above it."""
+  """The first of `excludes` matching `path` or a directory above it (a
+  pattern starting with `**` anywhere; another relative one relative to the
+  current directory, as a relative glob is)."""
   key = _identity(path)
   while True:
     for pattern in excludes:
-      if _matches(key, _identity(pattern)):
+      if _matches(key, pattern if pattern.startswith("**") else
+                  _identity(pattern)):
         return pattern
     parent = parent_path(key)
     if parent == key or not split_url(parent)[1]:
