@@ -1064,6 +1064,12 @@ def test_runs_named_like_hosts_are_not_fused_silently(tmp_path,
       ("runs/seed", "MultihostCheckpoint", None)]
   # ... reached through them only: what some hosts lack is then kept.
   assert [r.through_hosts for r in hosts.runs] == [True]
+  out = io.StringIO()
+  fleet.print_plan(hosts, hosts.runs, out, dry_run=True)
+  assert re.search(
+      r"\nwould migrate runs/seed ->  \(MultihostCheckpoint, 2 hosts, [\d.]+ "
+      r"KiB; reached through its host directories only: a checkpoint some "
+      r"of them lack is kept\)\n$", out.getvalue()), out.getvalue()
   assert not fused.runs[0].through_hosts
   for sources, globs in ((["runs/seed"], ["runs/seed-*"]),
                          ([], ["runs/seed-*", "runs/seed"])):

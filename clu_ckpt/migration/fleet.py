@@ -509,9 +509,11 @@ def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
       print(printable(f"cannot migrate {run.source}: {run.error}"), file=out)
       continue
     hosts = f", {len(run.hosts)} hosts" if run.hosts else ""
+    through = ("; reached through its host directories only: a checkpoint "
+               "some of them lack is kept" if run.through_hosts else "")
     print(printable(f"would migrate {run.source} -> {run.destination} "
-                    f"({run.kind}{hosts}, {format_bytes(run.nbytes)})"),
-          file=out)
+                    f"({run.kind}{hosts}, {format_bytes(run.nbytes)}"
+                    f"{through})"), file=out)
 
 
 def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
