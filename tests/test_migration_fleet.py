@@ -1333,3 +1333,26 @@ def test_a_source_that_cannot_be_read_again_is_kept(tmp_path):
       "migration)"]
   assert entry["warning"].endswith("is not verified: do not delete it")
   assert fleet_report.sources_to_keep([entry]) == [str(tmp_path / "gone")]
+
+
+def test_an_unreadable_flax_like_file_is_an_error_not_a_skip(tmp_path):
+  """`model_3`, a Flax state the fleet's user cannot read: the directory
+  was "skipped: not a checkpoint directory" and the fleet exited 0."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  (tmp_path / "runs" / "p").mkdir(parents=True)
+  flax_format.save_file({"w": np.ones(2, np.float32)},
+                        str(tmp_path / "runs" / "p" / "model_3"))
+  (tmp_path / "runs" / "q").mkdir()
+  (tmp_path / "runs" / "q" / "notes.txt").write_text("not a state")
+  (tmp_path / "runs" / "p" / "model_3").chmod(0o000)
+  try:
+    result = _fleet_without_permission_bypass(tmp_path, "--source-glob=runs/*")
+  finally:
+    (tmp_path / "runs" / "p" / "model_3").chmod(0o644)
+  assert result.returncode == 1, result
+  assert result.stdout.splitlines()[:2] == [
+      "skipped runs/q: not a checkpoint directory (no `checkpoint` file, no "
+      "<name>-<N>.flax)",
+      "cannot migrate runs/p: cannot read model_3 (Permission denied): "
+      "whether it is a Flax checkpoint cannot be told"], result.stdout

@@ -280,11 +280,14 @@ def _flax_files_of_another_prefix(path: str, entries: Mapping[str, int]
   return flax_training.find_prefix(path) is not None
 
 
-def _flax_prefixes(path: str, entries: Mapping[str, int]) -> list[str]:
+def _flax_prefixes(path: str, entries: Mapping[str, int]
+                   ) -> tuple[list[str], dict[str, str]]:
   """The prefixes of the files in `path` named `<prefix><digits>` that
-  start as a msgpack map (Flax states: `model_3`, `ema_10`), sorted."""
+  start as a msgpack map (Flax states: `model_3`, `ema_10`), sorted; and
+  those of such names that could not be read (name -> why): Flax states
+  or not, that cannot be told."""
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
-  prefixes = set()
+  prefixes, unread = set(), {}
   for name, size in entries.items():
     m = _FLAX_NAME_RE.match(name)
     if m is None or size <= 0 or m.group("prefix").endswith(("-", "tmp")):
@@ -292,11 +295,14 @@ def _flax_prefixes(path: str, entries: Mapping[str, int]) -> list[str]:
     file_path = join_path(path, name)
     try:
       head = storage.filesystem(file_path).read_bytes(file_path, 0, 1)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError) as e:
+      if not isinstance(e, FileNotFoundError):  # not gone since listed
+        unread[name] = (e.strerror if isinstance(e, OSError) else None) or (
+            str(e))
       continue
     if len(head) == 1 and head[0] in _MAP_FIRST_BYTES:
       prefixes.add(m.group("prefix"))
-  return sorted(prefixes)
+  return sorted(prefixes), unread
 
 
 # The kinds this version migrates (`clu_ckpt.migration.migrate` reads both).
@@ -729,12 +735,19 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
                       nbytes=_size(entries)))
     elif kind == UNLISTABLE:  # likely a run: an error, whoever named it
       runs.append(Run(path, kind, error=f"cannot list: {entries.reason}"))
-    elif kind == OTHER and len(prefixes := _flax_prefixes(path,
-                                                          entries)) > 1:
+    elif kind == OTHER and len((flax := _flax_prefixes(path,
+                                                      entries))[0]) > 1:
       runs.append(Run(path, FLAX_TRAINING, error=(
           "Flax checkpoint files of several prefixes "
-          f"({', '.join(prefixes)}): which is the run's state cannot be "
+          f"({', '.join(flax[0])}): which is the run's state cannot be "
           "told; move each prefix's files into a directory of its own")))
+    elif kind == OTHER and flax[1]:  # likely a run: an error, not a skip
+      name, why = sorted(flax[1].items())[0]
+      more = (f" (and {len(flax[1]) - 1} more such file(s))"
+              if len(flax[1]) > 1 else "")
+      runs.append(Run(path, UNLISTABLE, error=(
+          f"cannot read {name} ({why}){more}: whether it is a Flax "
+          "checkpoint cannot be told")))
     elif explicit:
       runs.append(Run(path, kind, error=_REASONS[kind]))
     else:
