@@ -292,6 +292,8 @@ def _run_verify(args: argparse.Namespace) -> int:
   if args.json:
     print(json.dumps(result, indent=1))
   else:
+    for note in result.get("notes", ()):
+      print(f"note: {note}")
     for problem in result["problems"]:
       print(f"PROBLEM: {problem}")
     print(f"{args.path}: {result['checked']} checked, "
