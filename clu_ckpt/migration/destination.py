@@ -416,16 +416,22 @@ class NotMigrated:
       "finetune/": a run inside the run) and files named like Flax's
       (`<prefix><number>`: "checkpoint_10", "ema_10"). Deleting the source
       deletes them.
+    removed: Checkpoints the root's manifest records as migrated whose step
+      the root no longer holds ("ckpt-5 (step 4000)"): removed since, by a
+      `CheckpointManager`'s `max_to_keep` or by hand. The source holds their
+      only copy (a re-run of the migration does not write them again: the
+      record stands).
   """
   source: str
   names: list[str]
   total: int
   entries: list[str] = dataclasses.field(default_factory=list)
+  removed: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def anything(self) -> bool:
     """Whether deleting the source would lose anything listed here."""
-    return bool(self.names or self.entries)
+    return bool(self.names or self.entries or self.removed)
 
 
 # A CLU checkpoint's own files (and TensorFlow's and clu_ckpt's temporary
@@ -483,9 +489,12 @@ def checkpoints_not_migrated(root: str, source: str
   The question to answer before a source is deleted: a `--latest` or
   `--number` migration leaves the others behind, and training that went on
   saves more. A checkpoint counts as migrated when the root's manifest
-  records it (even if its step is gone since: Orbax's `max_to_keep`), or,
-  for what the manifest leaves out (a root migrated before manifests, a
-  kill before the record), when a step's migration metadata names it.
+  records it, or, for what the manifest leaves out (a root migrated before
+  manifests, a kill before the record), when a step's migration metadata
+  names it. A recorded checkpoint whose step the root no longer holds
+  (Orbax's `max_to_keep`, a hand) is listed apart (`NotMigrated.removed`):
+  the migration will not write it again, and the source holds its only
+  copy.
   Entries of the source's directories that a migration does not read (Orbax steps a
   `Checkpoint(layout="orbax")` saved there, a run inside the run, Flax
   files) are listed too (`NotMigrated.entries`): deleting the source
@@ -519,12 +528,15 @@ def checkpoints_not_migrated(root: str, source: str
   except MigrationError:
     recorded = {}
   done = set(recorded)
+  naming, steps, _ = orbax_root.read_steps(root)
+  held = set(steps)
+  removed = [f"{c.name} (step {recorded[c.number].get('step')})"
+             for c in src.checkpoints if c.number in recorded and
+             recorded[c.number].get("step") not in held]
   # Steps' metadata only for what the manifest leaves out: on a bucket each
   # read is a round trip.
   unrecorded = [c for c in src.checkpoints if c.number not in done]
-  naming, steps, _ = (orbax_root.read_steps(root) if unrecorded else
-                      (None, [], []))
-  for number in steps:
+  for number in steps if unrecorded else ():
     try:
       meta = json.loads(storage.read_bytes(storage.join(
           naming.path(root, number), "metadata", "metadata")))
@@ -534,5 +546,5 @@ def checkpoints_not_migrated(root: str, source: str
       done.add(meta.get("clu_checkpoint_number"))
   return NotMigrated(src.path, [c.name for c in src.checkpoints
                                 if c.number not in done],
-                     len(src.checkpoints), _other_entries(src))
+                     len(src.checkpoints), _other_entries(src), removed)
 
