@@ -456,8 +456,11 @@ def _other_entries(src: Any) -> list[str]:
         src.path) else os.path.basename(directory.rstrip("/")) + "/")
     try:
       names = sorted(n.rstrip("/") for n in storage.listdir(directory))
-    except OSError:
-      continue  # the migration's own reading has said why
+    except Exception as e:  # pylint: disable=broad-except
+      # What it holds cannot be seen: not verified, so kept.
+      why = (e.strerror if isinstance(e, OSError) else None) or str(e)
+      out.append(f"{relative or './'} (not verified: cannot list it: {why})")
+      continue
     for name in names:
       if (name in taken or name == layout.STATE_FILENAME or
           name.startswith(f"{layout.STATE_FILENAME}.tmp") or
@@ -466,7 +469,11 @@ def _other_entries(src: Any) -> list[str]:
       path = storage.join(directory, name)
       try:
         is_dir = storage.isdir(path)
-      except OSError:
+        if not is_dir:  # a file only if known: `os.path.isdir` says False
+          storage.stat(path)  # when it cannot tell (no permission)
+      except FileNotFoundError:
+        is_dir = False  # gone, or a link to nothing: nothing to lose
+      except Exception:  # pylint: disable=broad-except
         is_dir = True  # cannot tell: keep it listed
       if is_dir:
         out.append(f"{relative}{name}/")
