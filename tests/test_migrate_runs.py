@@ -367,6 +367,37 @@ def test_a_run_ok_whose_source_keeps_checkpoints_is_named(tmp_path):
   assert merged.stdout.splitlines()[-1].startswith("1 source(s) keep")
 
 
+def test_a_run_whose_migrated_step_was_removed_keeps_its_source(tmp_path):
+  """A step removed from the destination after its migration (by hand, or
+  a manager's max_to_keep) is not written again by a re-run: the source
+  holds the only copy of its checkpoint, and the fleet says so."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  clu_save(tmp_path / "runs" / "a" / "checkpoints",
+           [example_state(1), example_state(2)])
+  args = ("--source-glob=runs/*/checkpoints", "--destination-root=orbax",
+          "--report=r.json")
+  run = _script(*args, cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert json.loads((tmp_path / "r.json").read_text())[
+      "sources_to_keep"] == []
+  steps = sorted((tmp_path / "orbax" / "a" / "checkpoints").glob("[0-9]*"))
+  assert len(steps) == 2, steps
+  shutil.rmtree(steps[-1])  # the newest
+  run = _script(*args, cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((tmp_path / "r.json").read_text())
+  (entry,) = report["runs"]
+  assert entry["status"] == "ok"
+  assert entry["source_not_migrated"] == [
+      f"ckpt-2 (step {steps[-1].name})"], entry
+  assert report["sources_to_keep"] == ["runs/a/checkpoints"]
+  assert ("the source keeps 1 checkpoint(s) whose step the destination no "
+          f"longer holds (ckpt-2 (step {steps[-1].name})): do not delete "
+          "it") in run.stdout, run.stdout
+
+
 def test_a_run_ok_whose_source_holds_what_it_did_not_read_is_named(tmp_path):
   """An Orbax step saved into the run by `Checkpoint(layout="orbax")`, a run
   inside the run: not migrated, so the source is one to keep."""

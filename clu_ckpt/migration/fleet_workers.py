@@ -239,16 +239,21 @@ def _name_what_the_source_keeps(entry: dict[str, Any], dry_run: bool
     return
   # Entries the migration does not read (an Orbax step, a run inside the
   # run) count as what the source keeps: `sources_to_keep` follows this.
-  kept = left.names + left.entries
+  kept = left.names + left.removed + left.entries
   entry["source_not_migrated"] = kept
   shown = ", ".join(kept[:5]) + (
       f" and {len(kept) - 5} more" if len(kept) > 5 else "")
-  what = (f"{len(left.names)} of {left.total} checkpoint(s)"
-          if left.names else "")
+  parts = []
+  if left.names:
+    parts.append(f"{len(left.names)} of {left.total} checkpoint(s) not "
+                 "migrated")
+  if left.removed:
+    parts.append(f"{len(left.removed)} checkpoint(s) whose step the "
+                 "destination no longer holds")
   if left.entries:
-    what += (" and " if what else "") + (
-        f"{len(left.entries)} other entr{'y' if len(left.entries) == 1 else 'ies'}")
-  note = f"the source keeps {what} not migrated ({shown}): do not delete it"
+    parts.append(f"{len(left.entries)} other "
+                 f"entr{'y' if len(left.entries) == 1 else 'ies'} not migrated")
+  note = f"the source keeps {' and '.join(parts)} ({shown}): do not delete it"
   entry["warning"] = (f"{entry['warning']}; {note}" if entry.get("warning")
                       else note)
 
