@@ -16,7 +16,7 @@ Synopsis::
   nox -s oldest                         # one stack (~1 GB of wheels the first time)
   nox -s oldest -- -n 1 tests/test_old_stacks.py   # arguments go to pytest
   nox --envdir /somewhere/else          # keep the virtualenvs out of the tree
-  nox                                   # the whole matrix (about 25 minutes)
+  nox                                   # the whole matrix (an hour or more with new virtualenvs: docs/FIGURES.md)
 
 Sessions:
   oldest: Python 3.11, tensorflow-cpu 2.16.2, jax 0.4.30, flax 0.8.5, numpy

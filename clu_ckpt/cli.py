@@ -292,6 +292,8 @@ def _run_verify(args: argparse.Namespace) -> int:
   if args.json:
     print(json.dumps(result, indent=1))
   else:
+    for note in result.get("notes", ()):
+      print(f"note: {note}")
     for problem in result["problems"]:
       print(f"PROBLEM: {problem}")
     print(f"{args.path}: {result['checked']} checked, "
@@ -335,6 +337,15 @@ def _name_unmigrated_checkpoints(root: str, source: str,
         f"{left.source}: {len(missing)} of {left.total} checkpoint(s) "
         f"not migrated into {root} ({shown}): deleting the source would "
         f"lose them; `clu-ckpt migrate {source} {root}` migrates them")
+  if left.removed:
+    shown = ", ".join(left.removed[:10]) + (
+        f" and {len(left.removed) - 10} more" if len(left.removed) > 10
+        else "")
+    result["problems"].append(
+        f"{left.source}: {len(left.removed)} checkpoint(s) migrated into "
+        f"{root} whose step it no longer holds ({shown}; removed since, by a "
+        "CheckpointManager's max_to_keep or by hand): the source holds their "
+        "only copy and deleting it would lose them")
   if left.entries:
     shown = ", ".join(left.entries[:10]) + (
         f" and {len(left.entries) - 10} more" if len(left.entries) > 10

@@ -659,7 +659,9 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
   directories are reported (Orbax ignores them, a re-run of the migration
   replaces them). With `source`, each migrated step's leaf summary (paths,
   dtypes, shapes) must equal the headers of the CLU `.flax` it came from,
-  on every host, and each host must still hold that checkpoint's `.index`.
+  on every host, and each host must still hold that checkpoint's `.index`;
+  a step whose checkpoint the source no longer holds on any host (CLU's
+  `max_to_keep` pruned it as training went on) is noted, not a problem.
   Array values are compared by `clu-ckpt migrate --verify`, which reads
   them back through Orbax.
 
@@ -669,9 +671,11 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
       migrated from (found by `plan.discover`; every host is compared).
 
   Returns:
-    `ok`, `checked` (steps) and `problems` (sentences naming the files).
+    `ok`, `checked` (steps), `problems` (sentences naming the files) and
+    `notes` (what was not compared, and why; not problems).
   """
   problems: list[str] = []
+  notes: list[str] = []
   compared = 0
   naming, numbers, partial = read_steps(root)
   src = None if source is None else _discover(source, problems)
@@ -696,12 +700,13 @@ def verify_orbax_root(root: str, source: Optional[str] = None) -> dict:
     if src is not None and storage.exists(
         storage.join(directory, "metadata", "metadata")):
       compared += 1
-      _compare_with_source(directory, src, problems)
+      _compare_with_source(directory, src, problems, notes)
   if src is not None and not compared:
     problems.append(f"{root}: no migrated step to compare with {source}")
   if not numbers:
     problems.append(f"{root}: no finished step{step_naming_hint(root)}")
-  return dict(ok=not problems, checked=len(numbers), problems=problems)
+  return dict(ok=not problems, checked=len(numbers), problems=problems,
+              notes=notes)
 
 
 class _Source:
@@ -735,12 +740,30 @@ def _discover(source: str, problems: list) -> Optional[_Source]:
   return _Source(path, dict(sorted(directories.items())))
 
 
-def _compare_with_source(step_dir: str, src, problems: list) -> None:
+def _pruned_from_source(clu: dict, suffix: str, src: _Source) -> bool:
+  """Whether the checkpoint a step of `src` was migrated from is gone from
+  every host of `src`: no `.flax`, no `.index` (CLU's `max_to_keep` removed
+  it as training went on). A checkpoint some host still holds, or one of
+  another source, is not: comparing it says what is wrong."""
+  if clu.get("source") != src.path:
+    return False
+  name = clu["clu_checkpoint"]
+  return not any(
+      storage.exists(storage.join(directory, f"{name}{ext}"))
+      for directory in src.host_directories.values()
+      for ext in {suffix, ".index"})
+
+
+def _compare_with_source(step_dir: str, src: _Source, problems: list,
+                         notes: list) -> None:
   """Compares a migrated step's leaf summary with every source host's file.
 
   Every host directory of `src` must hold the `.flax` the
   step was migrated from, with the same leaves (paths, dtypes, shapes), and
-  the step must have been migrated from the same hosts.
+  the step must have been migrated from the same hosts. A checkpoint the
+  source no longer holds on any host (pruned since) is a note, not a
+  problem: the step is its only copy, and deleting the source loses nothing
+  of it.
   """
   clu = _read_json(storage.join(step_dir, "metadata", "metadata"))
   if not clu or "clu_checkpoint" not in clu:
@@ -756,7 +779,13 @@ def _compare_with_source(step_dir: str, src, problems: list) -> None:
          for l in clu.get("leaves") or []]
   # Flax's own files have no extension (`checkpoint_<step>`).
   suffix = "" if clu.get("source_kind") == _FLAX_TRAINING_KIND else ".flax"
-  for host, directory in src.host_directories.items():
+  if _pruned_from_source(clu, suffix, src):
+    notes.append(f"{step_dir}: {clu['clu_checkpoint']} is no longer in "
+                 f"{src.path} (removed since the migration, as CLU's "
+                 "max_to_keep does when training goes on): this step holds "
+                 "its only copy; nothing to compare")
+    return
+  for directory in src.host_directories.values():
     flax_path = storage.join(directory, f"{clu['clu_checkpoint']}{suffix}")
     index_path = storage.join(directory, f"{clu['clu_checkpoint']}.index")
     if suffix and not storage.exists(index_path):

@@ -18,8 +18,10 @@ The layouts, in the order they are looked for (`LAYOUTS`):
 - `"orbax"`: another Orbax root (not read here: use `orbax.checkpoint`);
 - `"clu"`: a CLU `Checkpoint` directory (`ckpt-N.flax` + TensorFlow's files);
 - `"clu_multihost"`: a `MultihostCheckpoint` base (`<base>-<host>/`);
-- `"flax_training"`: `flax.training.checkpoints` files `<prefix><step>`
-  (`clu_ckpt.flax_training`).
+- `"flax_training"`: `flax.training.checkpoints` msgpack files `<prefix><step>`
+  (`clu_ckpt.flax_training`): what Flax writes with
+  `flax_use_orbax_checkpointing` off, and every Flax before 2023 (newer Flax
+  writes Orbax directories by default: read them with `orbax.checkpoint`).
 
 A single `.flax` (or Flax `checkpoint_<step>`) file is read as it is.
 
@@ -32,7 +34,7 @@ Synopsis::
   state = reader.load_state_dict("/runs/a/checkpoints")   # the same dict
   params = reader.load_state_dict("/runs/a/orbax", subtree="params",
                                   step=500)
-  state = reader.load_state_dict("/runs/flax_run")    # checkpoint_<step>
+  state = reader.load_state_dict("/runs/flax_run")    # msgpack checkpoint_<step>
   state = reader.load_state_dict("/runs/b", prefix="model_")
 """
 

@@ -1,7 +1,7 @@
 """The whole job, end to end: train, get killed, resume, migrate, resume on Orbax.
 
   python examples/demo.py            # ~1 minute on a laptop CPU
-  python examples/demo.py --tiny     # what CI runs
+  python examples/demo.py --tiny     # what the soak tier runs (tests/test_examples.py)
 
 1. `train.py` checkpoints with `clu_ckpt.checkpoint` and is SIGKILLed mid-run
    (a preemption).

@@ -637,11 +637,22 @@ def test_verify_with_its_source_names_checkpoints_never_migrated(
   assert done.returncode == 1 and "1 of 4 checkpoint(s) not migrated" in (
       done.stdout) and "(ckpt-4)" in done.stdout, done.stdout
   assert cli.main(["migrate", str(src), str(dst)]) == 0
-  # A step Orbax pruned since (max_to_keep) was migrated: the manifest says.
+  # A step removed from the root since (Orbax's max_to_keep, a hand): the
+  # manifest says it was migrated, and a re-run does not write it again, so
+  # the source holds its only copy.
   shutil.rmtree(dst / "1")
   capsys.readouterr()
-  done = _in_process(capsys, "verify", dst, "--source", src)
-  assert done.returncode == 0, done.stdout
+  for _ in range(2):
+    done = _in_process(capsys, "verify", dst, "--source", src)
+    assert done.returncode == 1, done.stdout
+    assert done.stdout.splitlines()[0] == (
+        f"PROBLEM: {src}: 1 checkpoint(s) migrated into {dst} whose step it "
+        "no longer holds (ckpt-1 (step 1); removed since, by a "
+        "CheckpointManager's max_to_keep or by hand): the source holds their "
+        "only copy and deleting it would lose them"), done.stdout
+    assert cli.main(["migrate", str(src), str(dst)]) == 0
+    assert not (dst / "1").exists()
+    capsys.readouterr()
   # A root migrated before manifests: the steps' own metadata say.
   (dst / "clu_ckpt_manifest.json").unlink()
   done = _in_process(capsys, "verify", dst, "--source", src)

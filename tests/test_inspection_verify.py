@@ -8,6 +8,7 @@ states differ in one float's bits (`migrate`'s host comparison).
 """
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -313,3 +314,63 @@ def test_the_latest_alone_is_committed_and_verified(golden_copy):
   result = inspection.verify_path(str(d))
   assert result["checked"] == 2
   assert result["problems"] == [f"{d / 'ckpt-5.flax'} at byte 0: empty file"]
+
+
+def _cli_verify(root, source, capsys):
+  from clu_ckpt import cli  # pylint: disable=g-import-not-at-top
+  code = cli.main(["verify", str(root), "--source", str(source)])
+  return code, capsys.readouterr().out
+
+
+def test_a_checkpoint_pruned_from_the_source_after_its_migration_is_a_note(
+    tmp_path, capsys):
+  # Training goes on after the migration: CLU's max_to_keep removes the
+  # oldest migrated checkpoint. Its step holds the only copy; nothing is
+  # lost by deleting the source, and the check before deleting must pass.
+  from clu import checkpoint as clu_checkpoint  # pylint: disable=g-import-not-at-top
+  src, root = tmp_path / "run", tmp_path / "dst"
+  ckpt = clu_checkpoint.Checkpoint(str(src), max_to_keep=2)
+  for step in (1, 2):
+    ckpt.save(example_state(step))
+  assert migration.migrate(str(src), str(root)).ok
+  # Another directory that lacks ckpt-1 is not the source whose pruning
+  # is noted: its files are missing.
+  other = tmp_path / "other"
+  shutil.copytree(src, other)
+  for f in other.glob("ckpt-1.*"):
+    f.unlink()
+  result = inspection.verify_orbax_root(str(root), str(other))
+  assert _problems_naming(result, str(other / "ckpt-1.index"))
+  ckpt.save(example_state(3))  # ckpt-1 pruned
+  assert not (src / "ckpt-1.flax").exists()
+  assert migration.migrate(str(src), str(root)).ok
+  result = inspection.verify_orbax_root(str(root), str(src))
+  assert result["ok"], result
+  assert any("ckpt-1 is no longer in" in n for n in result["notes"]), result
+  code, out = _cli_verify(root, src, capsys)
+  assert code == 0, out
+  assert "note: " in out and "ckpt-1 is no longer in" in out
+  # Gone from one host's files only (the .flax kept): still a problem.
+  (src / "ckpt-2.index").unlink()
+  result = inspection.verify_orbax_root(str(root), str(src))
+  assert _problems_naming(result, str(src / "ckpt-2.index"))
+
+
+def test_a_checkpoint_still_on_some_hosts_is_compared_not_noted(
+    migrated_base):
+  base, root = migrated_base
+  host1 = base.parent / "ckpts-1"
+  for f in host1.glob("ckpt-2.*"):
+    f.unlink()
+  result = inspection.verify_orbax_root(root, str(base))
+  assert _problems_naming(result, str(host1 / "ckpt-2.index"))
+  assert not any("ckpt-2 " in n for n in result["notes"]), result
+
+
+def test_a_root_verified_against_a_source_of_other_hosts(migrated_base):
+  base, root = migrated_base
+  extra = base.parent / "ckpts-2"
+  shutil.copytree(base.parent / "ckpts-1", extra)
+  result = inspection.verify_orbax_root(root, str(base))
+  assert _problems_naming(result, "migrated from hosts [0, 1], but")
+  assert _problems_naming(result, "has hosts [0, 1, 2]")

@@ -27,8 +27,11 @@ SCRIPT = Path(__file__).resolve().parents[1] / "migration" / "migrate_runs.py"
 
 
 def _environment():
-  """os.environ without JOB_COMPLETION_INDEX (it would pick a shard)."""
-  return {k: v for k, v in os.environ.items() if k != "JOB_COMPLETION_INDEX"}
+  """os.environ without JOB_COMPLETION_INDEX (it would pick a shard) and
+  the launch ids a scheduler sets."""
+  return {k: v for k, v in os.environ.items() if k not in (
+      "JOB_COMPLETION_INDEX", "SLURM_ARRAY_JOB_ID",
+      "CLU_CKPT_FLEET_LAUNCH_ID")}
 
 
 def _start(*args, cwd, **kwargs):
@@ -364,6 +367,37 @@ def test_a_run_ok_whose_source_keeps_checkpoints_is_named(tmp_path):
   assert merged.stdout.splitlines()[-1].startswith("1 source(s) keep")
 
 
+def test_a_run_whose_migrated_step_was_removed_keeps_its_source(tmp_path):
+  """A step removed from the destination after its migration (by hand, or
+  a manager's max_to_keep) is not written again by a re-run: the source
+  holds the only copy of its checkpoint, and the fleet says so."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  clu_save(tmp_path / "runs" / "a" / "checkpoints",
+           [example_state(1), example_state(2)])
+  args = ("--source-glob=runs/*/checkpoints", "--destination-root=orbax",
+          "--report=r.json")
+  run = _script(*args, cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert json.loads((tmp_path / "r.json").read_text())[
+      "sources_to_keep"] == []
+  steps = sorted((tmp_path / "orbax" / "a" / "checkpoints").glob("[0-9]*"))
+  assert len(steps) == 2, steps
+  shutil.rmtree(steps[-1])  # the newest
+  run = _script(*args, cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((tmp_path / "r.json").read_text())
+  (entry,) = report["runs"]
+  assert entry["status"] == "ok"
+  assert entry["source_not_migrated"] == [
+      f"ckpt-2 (step {steps[-1].name})"], entry
+  assert report["sources_to_keep"] == ["runs/a/checkpoints"]
+  assert ("the source keeps 1 checkpoint(s) whose step the destination no "
+          f"longer holds (ckpt-2 (step {steps[-1].name})): do not delete "
+          "it") in run.stdout, run.stdout
+
+
 def test_a_run_ok_whose_source_holds_what_it_did_not_read_is_named(tmp_path):
   """An Orbax step saved into the run by `Checkpoint(layout="orbax")`, a run
   inside the run: not migrated, so the source is one to keep."""
@@ -386,6 +420,82 @@ def test_a_run_ok_whose_source_holds_what_it_did_not_read_is_named(tmp_path):
   assert ("the source keeps 2 other entries not migrated (7/, finetune/): "
           "do not delete it") in run.stdout, run.stdout
   assert run.stdout.splitlines()[-1].startswith("1 source(s) keep")
+
+
+def _golden(case, target):
+  """A writable copy of golden case `case` (`multihost/checkpoints-1`: one
+  of its directories) at `target`, without its MANIFEST.json."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from conftest import golden_case  # pylint: disable=g-import-not-at-top
+  from conftest import make_writable  # pylint: disable=g-import-not-at-top
+  name, _, sub = case.partition("/")
+  shutil.copytree(golden_case(name) / sub, target,
+                  ignore=shutil.ignore_patterns("MANIFEST.json"))
+  make_writable(target)
+
+
+def _forked_runs(tmp_path):
+  """runs/seed-0, runs/seed-1: single-host runs forked from one, seed-1
+  stopped at ckpt-4 (seed-0 has ckpt-5 too)."""
+  _golden("single_host", tmp_path / "runs/seed-0")
+  _golden("single_host", tmp_path / "runs/seed-1")
+  for name in ("ckpt-5.flax", "ckpt-5.index", "ckpt-5.data-00000-of-00001"):
+    (tmp_path / "runs/seed-1" / name).unlink()
+  state = tmp_path / "runs/seed-1/checkpoint"
+  lines = state.read_text().replace('"ckpt-5"', '"ckpt-4"').splitlines()
+  state.write_text("\n".join(dict.fromkeys(lines)) + "\n")
+
+
+def test_hosts_reached_only_through_their_directories_keep_their_source(
+    tmp_path):
+  """`runs/seed-*` names host-like directories only: `seed-0`, `seed-1` are
+  read as the hosts of a MultihostCheckpoint `runs/seed`, yet they may be
+  single-host runs of their own. ckpt-5, which only seed-0 keeps, was
+  dropped as "not on every host" and the run said ok with nothing to keep:
+  deleting the sources lost it. Now the run's entry lists it, the source
+  is kept and the line says how to name them. A genuine MultihostCheckpoint
+  preempted mid-save (host 1 has ckpt-3, host 0 not), its base named, still
+  migrates without anything to keep."""
+  _forked_runs(tmp_path)
+  for host in (0, 1):
+    _golden(f"multihost/checkpoints-{host}",
+            tmp_path / f"mh/a/checkpoints-{host}")
+  run = _script("--source-glob=runs/seed-*", "--sources=mh/a/checkpoints",
+                "--source-root=.", "--destination-root=orbax",
+                "--report=r.json", cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((tmp_path / "r.json").read_text())
+  runs = {r["source"]: r for r in report["runs"]}
+  seed = runs["runs/seed"]
+  assert seed["status"] == "ok", seed
+  assert seed["source_not_migrated"] == ["ckpt-5"]
+  assert report["sources_to_keep"] == ["runs/seed"]
+  assert ("not on every host, not migrated: ckpt-5 (reached through "
+          "runs/seed-0, runs/seed-1 only, no glob or path naming runs/seed: "
+          "the hosts of one MultihostCheckpoint, or runs of their own whose "
+          "own checkpoints these are? Kept: do not delete it. Name them with "
+          "--sources=runs/seed (one run) or "
+          "--sources=runs/seed-0,runs/seed-1 (runs of their own))"
+          ) == seed["warning"]
+  genuine = runs["mh/a/checkpoints"]
+  assert genuine["status"] == "ok", genuine
+  assert genuine["warning"] == "not on every host, not migrated: ckpt-3"
+  assert "source_not_migrated" not in genuine
+  assert run.stdout.splitlines()[-1].startswith("1 source(s) keep")
+
+
+@pytest.mark.thorough
+def test_hosts_reached_through_their_directories_with_state_host(tmp_path):
+  """--state-host takes host 0's state without comparing: seed-1's own
+  state, if it is a run of its own, is not migrated either: kept."""
+  _forked_runs(tmp_path)
+  run = _script("--source-glob=runs/seed-*", "--source-root=.",
+                "--destination-root=orbax2", "--report=r2.json",
+                "--state-host=0", cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  seed, = json.loads((tmp_path / "r2.json").read_text())["runs"]
+  assert seed["source_not_migrated"] == [
+      "ckpt-5", "state of runs/seed-1 (not compared: --state-host)"]
 
 
 @pytest.mark.thorough
@@ -810,6 +920,34 @@ def test_a_merge_tells_launches_apart_by_their_id(tmp_path):
        "reports/shard-1.json (the newest): launch id 'job-1', not 'job-2'")]
 
 
+def test_a_slurm_array_names_its_launch_without_a_flag(tmp_path):
+  """Tasks of one Slurm array share `$SLURM_ARRAY_JOB_ID`, the next array
+  has another: the launch id without `--launch-id`. An identical relaunch
+  (same runs, shards and options) whose shard 0 never ran was one launch
+  with the first, whose shard 0 report stood in for it: merged ok."""
+  runs = ["A", "B", "C"]
+  _launch(tmp_path, runs, [0, 1], 2, env={"SLURM_ARRAY_JOB_ID": "41"})
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged["missing_shards"] == [] and merged["complete"]
+  assert merged["launch"]["id"] == "41"
+  assert "no --launch-id" not in done.stdout
+  _launch(tmp_path, runs, [1], 2, env={"SLURM_ARRAY_JOB_ID": "42"})
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert done.returncode == 1 and not merged["complete"]
+  assert merged["missing_shards"] == [0]
+  assert [(s["report"], s["reason"]) for s in merged["stale_reports"]] == [
+      ("reports/shard-0.json", "from another launch than "
+       "reports/shard-1.json (the newest): launch id '41', not '42'")]
+  # --launch-id and $CLU_CKPT_FLEET_LAUNCH_ID still come first.
+  _launch(tmp_path, runs, [0], 2, env={"SLURM_ARRAY_JOB_ID": "43",
+                                       "CLU_CKPT_FLEET_LAUNCH_ID": "42"})
+  done, merged = _merge(tmp_path, "reports/shard-0.json",
+                        "reports/shard-1.json")
+  assert merged["missing_shards"] == [] and merged["complete"], merged
+
+
 @pytest.mark.thorough
 def test_a_relaunch_with_a_shard_never_run_is_not_ok(tmp_path):
   """Real runs, all migrated ok by the first launch; its shard 1 report
@@ -864,3 +1002,158 @@ def test_a_merge_takes_no_report_without_a_launch(tmp_path):
       "reports/shard-1.json"]
   assert "no launch identity" in merged["stale_reports"][0]["reason"]
   assert done.returncode == 1
+
+
+# --------------------------------------------------------------------------
+# A bucket whose listing fails: never a run left out unseen.
+# --------------------------------------------------------------------------
+
+
+class _RefusingProxy:
+  """An HTTP proxy on 127.0.0.1 in front of an emulator that answers 403
+  to the listings `refuse(prefix)` picks (as a store's policy denying a
+  prefix would) and forwards everything else."""
+
+  def __init__(self, emulator, refuse):
+    import http.client  # pylint: disable=g-import-not-at-top
+    import http.server  # pylint: disable=g-import-not-at-top
+    import urllib.parse  # pylint: disable=g-import-not-at-top
+    self.refused = []
+    proxy, port, gcs = self, emulator.port, emulator.scheme == "gs"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      protocol_version = "HTTP/1.1"
+
+      def log_message(self, *args):
+        del args
+
+      def _answer(self, status, headers, data):
+        self.send_response(status)
+        for k, v in headers:
+          if k.lower() not in ("transfer-encoding", "connection",
+                               "content-length"):
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+          self.wfile.write(data)
+
+      def _any(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        url = urllib.parse.urlsplit(self.path)
+        prefix = urllib.parse.parse_qs(url.query).get("prefix")
+        listing = self.command == "GET" and prefix is not None and (
+            url.path.endswith("/o") if gcs else "list-type" in url.query)
+        if listing and refuse(prefix[0]):
+          proxy.refused.append(prefix[0])
+          self._answer(403, [("Content-Type", "application/json")] if gcs
+                       else [("Content-Type", "application/xml")],
+                       b'{"error": {"code": 403, "message": "denied"}}' if gcs
+                       else b"<?xml version='1.0'?><Error><Code>AccessDenied"
+                       b"</Code><Message>denied</Message></Error>")
+          return
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request(self.command, self.path, body=body, headers={
+            k: v for k, v in self.headers.items()
+            if k.lower() not in ("host", "connection")})
+        response = conn.getresponse()
+        self._answer(response.status, response.getheaders(), response.read())
+        conn.close()
+
+      do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = _any
+
+    self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.server.daemon_threads = True
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+  def __enter__(self):
+    import threading  # pylint: disable=g-import-not-at-top
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    return self
+
+  def __exit__(self, *exc):
+    self.server.shutdown()
+    self.server.server_close()
+
+
+def _bucket_fleet(emulator, proxy, *args):
+  """The fleet's dry run, its store reached through `proxy`."""
+  env = emulator.child_env(PYTHONPATH=str(SCRIPT.parents[1]))
+  env.pop("JOB_COMPLETION_INDEX", None)
+  for name in (("STORAGE_EMULATOR_HOST",) if emulator.scheme == "gs" else
+               ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")):
+    env[name] = proxy.url
+  return subprocess.run([sys.executable, str(SCRIPT), *args,
+                         "--destination-root=orbax", "--dry-run"],
+                        capture_output=True, text=True, env=env, timeout=300,
+                        check=False, cwd=emulator.root)
+
+
+def test_a_bucket_listing_refused_is_an_error_naming_it(gcs):
+  """The listing of a glob's prefix refused by the store: the fleet said
+  `OSError: Forbidden: b/<bucket>/o`, naming neither the glob nor the
+  path. It is a usage error naming both (as a local top directory that
+  cannot be listed is); a run named with --sources there is an error."""
+  from conftest import golden_case  # pylint: disable=g-import-not-at-top
+  url = gcs.upload(golden_case("single_host"), "runs/a/checkpoints")
+  bucket = url.split("/")[2]
+  with _RefusingProxy(gcs, lambda p: p.startswith("runs")) as proxy:
+    glob_run = _bucket_fleet(
+        gcs, proxy, f"--source-glob=gs://{bucket}/runs/*/checkpoints")
+    named = _bucket_fleet(gcs, proxy, f"--sources={url}",
+                          f"--source-root=gs://{bucket}/runs")
+  assert proxy.refused, "the listing was not refused"
+  assert glob_run.returncode == 2, glob_run
+  assert glob_run.stderr.splitlines() == [
+      f"migrate_runs.py: error: --source-glob 'gs://{bucket}/runs/*/"
+      f"checkpoints': gs://{bucket}/runs: cannot list: OSError: Forbidden: "
+      f"b/{bucket}/o denied (runs below it that gs://{bucket}/runs/*/"
+      "checkpoints would match cannot be seen)"]
+  assert named.returncode == 1, named
+  assert (f"cannot migrate {url}: cannot list gs://{bucket}/runs/a: "
+          "OSError: Forbidden") in named.stdout, named.stdout
+
+
+def test_a_prefix_whose_listing_fails_leaves_no_run_out(s3):
+  """S3 (s3fs) walked a glob's prefixes one listing each, and fsspec's walk
+  passes over a listing that fails: with `runs/p1/` refused (a policy
+  denying that prefix), run p1 was left out, the dry run said 1 run and
+  exit 0. One flat listing of the glob's prefix finds both."""
+  from conftest import golden_case  # pylint: disable=g-import-not-at-top
+  url = s3.upload(golden_case("single_host"), "runs/a/checkpoints")
+  bucket = url.split("/")[2]
+  s3.upload(golden_case("single_host"), "runs/p1/checkpoints", bucket=bucket)
+  with _RefusingProxy(s3, lambda p: p.startswith("runs/p1")) as proxy:
+    result = _bucket_fleet(
+        s3, proxy, f"--source-glob=s3://{bucket}/runs/*/checkpoints")
+  assert result.returncode == 0, result
+  assert [l.split(" -> ")[0] for l in result.stdout.splitlines()
+          if l.startswith("would migrate")] == [
+              f"would migrate s3://{bucket}/runs/{run}/checkpoints"
+              for run in ("a", "p1")]
+
+
+def test_a_sources_file_line_not_utf8_is_an_error_of_its_own(tmp_path):
+  """One line of a sources file in another encoding stopped the whole
+  fleet ("not UTF-8 text", exit 2). That line is now a run of its own, an
+  error naming it escaped (a name Orbax cannot write, or not there); the
+  other lines go on."""
+  clu_dir(tmp_path, "runs/a/checkpoints")
+  clu_dir(tmp_path, os.fsdecode(b"runs/caf\xe9/checkpoints"))
+  (tmp_path / "list.txt").write_bytes(
+      b"\xef\xbb\xbfruns/a/checkpoints\nruns/caf\xe9/checkpoints\n"
+      b"runs/gone\xff  # a comment\n")
+  run = _strict_script("--sources-file=list.txt", "--source-root=runs",
+                       "--destination-root=orbax", "--dry-run", cwd=tmp_path)
+  assert run.returncode == 1 and not run.stderr, run.stderr
+  lines = run.stdout.splitlines()
+  assert lines[:3] == [
+      "would migrate runs/a/checkpoints -> orbax/a/checkpoints (Checkpoint, "
+      "0 B)",
+      "cannot migrate runs/caf\\xe9/checkpoints: its destination "
+      "orbax/caf\\xe9/checkpoints is not valid UTF-8 (the source's name holds "
+      "bytes that are not): Orbax's TensorStore writes UTF-8 names only; "
+      "rename the source and migrate it again",
+      "cannot migrate runs/gone\\xff: no such directory, and no "
+      "gone\\xff-<host_id> directories beside it"], lines

@@ -11,6 +11,7 @@ tests/test_migrate_runs.py.
 """
 
 import argparse
+import os
 import io
 import glob
 import json
@@ -1061,6 +1062,20 @@ def test_runs_named_like_hosts_are_not_fused_silently(tmp_path,
   hosts = fleet_discovery.plan_fleet([], ["runs/seed-*"])
   assert [(r.source, r.kind, r.error) for r in hosts.runs] == [
       ("runs/seed", "MultihostCheckpoint", None)]
+  # ... reached through them only: what some hosts lack is then kept.
+  assert [r.through_hosts for r in hosts.runs] == [True]
+  out = io.StringIO()
+  fleet.print_plan(hosts, hosts.runs, out, dry_run=True)
+  assert re.search(
+      r"\nwould migrate runs/seed ->  \(MultihostCheckpoint, 2 hosts, [\d.]+ "
+      r"KiB; reached through its host directories only: a checkpoint some "
+      r"of them lack is kept\)\n$", out.getvalue()), out.getvalue()
+  assert not fused.runs[0].through_hosts
+  for sources, globs in ((["runs/seed"], ["runs/seed-*"]),
+                         ([], ["runs/seed-*", "runs/seed"])):
+    named = fleet_discovery.plan_fleet(sources, globs)
+    assert [(r.source, r.through_hosts) for r in named.runs] == [
+        ("runs/seed", False)]
 
 
 def test_flax_files_of_several_prefixes_are_an_error_not_a_skip(
@@ -1153,3 +1168,191 @@ def test_a_directory_the_glob_cannot_enter_is_an_error(tmp_path, pattern):
   assert top.returncode == 2, top
   assert f"--source-glob '{pattern}': runs: cannot list: Permission denied" in (
       top.stderr)
+
+
+# --------------------------------------------------------------------------
+# What a migrated source still holds (`destination._other_entries`, through
+# which the fleet keeps a source): what cannot be seen is kept.
+# --------------------------------------------------------------------------
+
+
+def _child_without_permission_bypass(code, *args):
+  """Python `code` (argv: `args`) in a process that permissions apply to;
+  its stdout (it must exit 0)."""
+  result = subprocess.run(
+      [*_without_permission_bypass(), sys.executable, "-c", code, *args],
+      capture_output=True, text=True, check=False, timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def test_an_entry_whose_kind_cannot_be_told_is_kept(tmp_path):
+  """`extra`, a link to a directory the migrating user cannot reach:
+  `os.path.isdir` says False when it cannot tell, and an entry taken for a
+  file not named like a Flax checkpoint was passed over, so the fleet and
+  `verify --source` called the source safe to delete. It is listed."""
+  source = tmp_path / "runs" / "a"
+  _golden_run("single_host", source)
+  (tmp_path / "closed" / "target").mkdir(parents=True)
+  (source / "extra").symlink_to(tmp_path / "closed" / "target")
+  (source / "notes.txt").write_text("a file: not looked at")
+  (source / "gone").symlink_to(tmp_path / "nothing")  # a link to nothing
+  code = ("import sys\n"
+          "from clu_ckpt.migration import destination\n"
+          "left = destination.checkpoints_not_migrated(sys.argv[1], "
+          "sys.argv[2])\n"
+          "print(left.entries)\n")
+  (tmp_path / "closed").chmod(0o000)
+  try:
+    out = _child_without_permission_bypass(code, str(tmp_path / "orbax"),
+                                           str(source))
+  finally:
+    (tmp_path / "closed").chmod(0o755)
+  assert out.strip() == "['extra/']"
+
+
+def test_a_host_directory_that_cannot_be_listed_again_is_kept(tmp_path):
+  """A host directory the check after the migration cannot list (its
+  permissions changed, an I/O error) was skipped (`continue`): the source
+  then looked safe to delete. It is named as not verified."""
+  base = tmp_path / "runs" / "checkpoints"
+  for host in (0, 1):
+    _golden_run(f"multihost/checkpoints-{host}",
+                tmp_path / "runs" / f"checkpoints-{host}")
+  code = ("import os, sys\n"
+          "from clu_ckpt.migration import destination, plan\n"
+          "src = plan.discover(sys.argv[1])\n"
+          "os.chmod(sys.argv[1] + '-1', 0o311)  # searchable, not listable\n"
+          "print(destination._other_entries(src))\n")
+  try:
+    out = _child_without_permission_bypass(code, str(base))
+  finally:
+    (tmp_path / "runs" / "checkpoints-1").chmod(0o755)
+  assert out.strip() == ("['checkpoints-1/ (not verified: cannot list it: "
+                         "Permission denied)']")
+
+
+def test_a_bucket_path_not_utf8_is_an_error_of_its_own(tmp_path):
+  """A `gs://` line of a sources file in another encoding: a run with an
+  error naming it (a bucket's names are UTF-8), not a crash of the plan."""
+  listing = tmp_path / "list.txt"
+  listing.write_bytes(b"gs://b/runs/caf\xe9\n")
+  sources = fleet_discovery.read_sources_file(str(listing))
+  assert [os.fsencode(s) for s in sources] == [b"gs://b/runs/caf\xe9"]
+  plan = fleet_discovery.plan_fleet(sources, [])
+  assert [(os.fsencode(r.source), r.error) for r in plan.runs] == [(
+      b"gs://b/runs/caf\xe9", "not valid UTF-8 (a line of --sources-file in "
+      "another encoding?): a bucket's names are UTF-8")]
+
+
+# --------------------------------------------------------------------------
+# --exclude: runs left out on purpose, each listed as skipped.
+# --------------------------------------------------------------------------
+
+
+def test_excluded_runs_are_skipped_with_the_pattern(tree):
+  """A run an `--exclude` glob matches, or one below a path it matches, is
+  skipped naming the pattern (never dropped unseen); a MultihostCheckpoint
+  with one host excluded is an error (all its hosts or none)."""
+  plan = fleet_discovery.plan_fleet(
+      ["runs/b/checkpoints"], ["runs/*/checkpoints"],
+      excludes=["runs/a", f"{tree}/runs/b/check*"])
+  runs, skipped = _summary(plan)
+  assert [r[0] for r in runs] == ["runs/f/checkpoints", "runs/m/checkpoints"]
+  assert ("runs/a/checkpoints", "excluded (--exclude runs/a)") in skipped
+  assert ("runs/b/checkpoints",
+          f"excluded (--exclude {tree}/runs/b/check*)") in skipped
+  one_host = fleet_discovery.plan_fleet(
+      [], ["runs/m/checkpoints"], excludes=["runs/*/checkpoints-1"])
+  assert [(r.source, r.error) for r in one_host.runs] == [(
+      "runs/m/checkpoints", "host directory runs/m/checkpoints-1 is excluded "
+      "(--exclude runs/*/checkpoints-1): a MultihostCheckpoint is migrated "
+      "with all its hosts or not at all; exclude runs/m/checkpoints instead, "
+      "or none of its hosts")]
+  anywhere = fleet_discovery.plan_fleet([], [f"{tree}/runs/*/checkpoints"],
+                                        excludes=["**/a"])
+  assert (f"{tree}/runs/a/checkpoints", "excluded (--exclude **/a)") in [
+      (s.path, s.reason) for s in anywhere.skipped]
+  base = fleet_discovery.plan_fleet([], ["runs/m/checkpoints"],
+                                    excludes=["runs/m/checkpoints"])
+  assert not base.runs
+  assert ("runs/m/checkpoints", "excluded (--exclude runs/m/checkpoints)") in [
+      (s.path, s.reason) for s in base.skipped]
+
+
+@pytest.mark.thorough("runs/**/checkpoints")
+@pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
+                                     "runs/**/checkpoints"])
+def test_a_root_only_directory_can_be_excluded(tmp_path, pattern):
+  """`lost+found` (root's alone) under the glob failed a fleet run as
+  another user, with no way to leave it out. `--exclude` leaves it out,
+  listed as skipped with why, on the terminal and in the report; what is
+  below a run stays that run's error."""
+  _golden_run("single_host", tmp_path / "runs/ok/checkpoints")
+  (tmp_path / "runs/lost+found").mkdir()
+  (tmp_path / "runs/lost+found").chmod(0o000)
+  try:
+    plain = _fleet_without_permission_bypass(
+        tmp_path, f"--source-glob={pattern}")
+    excluded = _fleet_without_permission_bypass(
+        tmp_path, f"--source-glob={pattern}", "--exclude=runs/lost+found",
+        "--exclude=runs/*/other")
+    report = subprocess.run(
+        [*_without_permission_bypass(), sys.executable,
+         str(Path(__file__).resolve().parents[1] / "migration" /
+             "migrate_runs.py"), f"--source-glob={pattern}",
+         "--exclude=**/lost+found", "--destination-root=orbax",
+         "--report=r.json"], cwd=tmp_path, capture_output=True, text=True,
+        check=False, timeout=300)
+  finally:
+    (tmp_path / "runs/lost+found").chmod(0o755)
+  assert plain.returncode == 1, plain
+  assert "cannot migrate runs/lost+found: cannot list: Permission denied" in (
+      plain.stdout)
+  assert excluded.returncode == 0, excluded
+  lines = excluded.stdout.splitlines()
+  assert ("skipped runs/lost+found: excluded (--exclude runs/lost+found)"
+          in lines), lines
+  assert [l.split(" -> ")[0] for l in lines if "migrate" in l][:1] == [
+      "would migrate runs/ok/checkpoints"]
+  assert report.returncode == 0, report.stdout + report.stderr
+  written = json.loads((tmp_path / "r.json").read_text())
+  assert [r["source"] for r in written["runs"]] == ["runs/ok/checkpoints"]
+  assert [(s["path"], s["reason"]) for s in written["skipped"]] == [
+      ("runs/lost+found", "excluded (--exclude **/lost+found)")]
+
+
+def test_a_source_that_cannot_be_read_again_is_kept(tmp_path):
+  """Migrated, then not readable for the check of what it keeps (a
+  bucket's outage, a disk gone): the run said ok with nothing to keep."""
+  entry = {"source": str(tmp_path / "gone"), "destination": str(tmp_path),
+           "status": "ok"}
+  fleet_workers._name_what_the_source_keeps(entry, False)  # pylint: disable=protected-access
+  assert entry["source_not_migrated"] == [
+      "(not verified: the source could not be read again after its "
+      "migration)"]
+  assert entry["warning"].endswith("is not verified: do not delete it")
+  assert fleet_report.sources_to_keep([entry]) == [str(tmp_path / "gone")]
+
+
+def test_an_unreadable_flax_like_file_is_an_error_not_a_skip(tmp_path):
+  """`model_3`, a Flax state the fleet's user cannot read: the directory
+  was "skipped: not a checkpoint directory" and the fleet exited 0."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  (tmp_path / "runs" / "p").mkdir(parents=True)
+  flax_format.save_file({"w": np.ones(2, np.float32)},
+                        str(tmp_path / "runs" / "p" / "model_3"))
+  (tmp_path / "runs" / "q").mkdir()
+  (tmp_path / "runs" / "q" / "notes.txt").write_text("not a state")
+  (tmp_path / "runs" / "p" / "model_3").chmod(0o000)
+  try:
+    result = _fleet_without_permission_bypass(tmp_path, "--source-glob=runs/*")
+  finally:
+    (tmp_path / "runs" / "p" / "model_3").chmod(0o644)
+  assert result.returncode == 1, result
+  assert result.stdout.splitlines()[:2] == [
+      "skipped runs/q: not a checkpoint directory (no `checkpoint` file, no "
+      "<name>-<N>.flax)",
+      "cannot migrate runs/p: cannot read model_3 (Permission denied): "
+      "whether it is a Flax checkpoint cannot be told"], result.stdout

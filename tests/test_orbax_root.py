@@ -427,3 +427,141 @@ def test_names_that_are_not_one_roots_steps_are_read_as_plain(tmp_path, names,
   if why == "two namings":
     assert "'a_0001' and 'b_0002' (two namings)" in (
         orbax_root.step_naming_hint(str(root)))
+
+
+def test_verify_names_every_broken_step_and_goes_on(tmp_path):
+  """Each broken step is named with what is wrong, and the steps after it
+  are still checked: an unfinished directory, step metadata missing, an
+  item listed but missing, an item listed but empty."""
+  root = tmp_path / "root"
+  _native_root(root, [1, 2, 3, 4])
+  (root / "5.orbax-checkpoint-tmp-77").mkdir()
+  (root / "1" / "_CHECKPOINT_METADATA").unlink()
+  shutil.rmtree(root / "2" / "default")
+  shutil.rmtree(root / "3" / "default")
+  (root / "3" / "default").mkdir()
+  result = orbax_root.verify_orbax_root(str(root))
+  assert result["checked"] == 4 and not result["ok"]
+  assert sorted(result["problems"]) == sorted([
+      f"{root}/5.orbax-checkpoint-tmp-77: unfinished step directory (an "
+      "interrupted save or migration)",
+      f"{root}/1/_CHECKPOINT_METADATA: missing or not JSON",
+      f"{root}/2/default: item listed in the step metadata is missing or "
+      "empty",
+      f"{root}/3/default: item listed in the step metadata is missing or "
+      "empty"]), result
+
+
+def test_verify_against_a_source_names_what_cannot_be_compared(
+    tmp_path, golden_copy):
+  root = tmp_path / "root"
+  _native_root(root, [1])
+  source = golden_copy("single_host")
+  # A native step has no migration metadata: nothing was compared.
+  assert orbax_root.verify_orbax_root(str(root), str(source))["problems"] == [
+      f"{root}: no migrated step to compare with {source}"]
+  # A `metadata` item that is not the migration's.
+  with ocp.CheckpointManager(str(tmp_path / "other")) as mngr:
+    mngr.save(1, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"w": np.arange(3)}),
+        metadata=ocp.args.JsonSave({"written_by": "someone else"})))
+    mngr.wait_until_finished()
+  other = tmp_path / "other"
+  assert orbax_root.verify_orbax_root(str(other), str(source))["problems"] == [
+      f"{other}/1: no migration metadata to compare with {source}"]
+  # An item named `metadata` that holds no `metadata` file is not compared.
+  with ocp.CheckpointManager(str(tmp_path / "third")) as mngr:
+    mngr.save(1, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"w": np.arange(3)}),
+        metadata=ocp.args.StandardSave({"v": np.arange(2)})))
+    mngr.wait_until_finished()
+  third = tmp_path / "third"
+  assert orbax_root.verify_orbax_root(str(third), str(source))["problems"] == [
+      f"{third}: no migrated step to compare with {source}"]
+  # Sources that are none: each named with why.
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  for given, why in [
+      (str(empty), "no CLU checkpoint here (no `checkpoint` file, and no "
+       "`empty-<host_id>` directories), and no flax.training.checkpoints "
+       "files"),
+      ("", "an empty path")]:
+    problems = orbax_root.verify_orbax_root(str(root), given)["problems"]
+    assert problems[0] == f"{given}: cannot be read as a CLU source: {why}"
+
+
+def test_a_damaged_host_file_does_not_stop_the_other_hosts_comparison(
+    tmp_path):
+  from clu_ckpt import flax_format  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  base = tmp_path / "mh" / "ckpts"
+  multihost_save(base, [[example_state(1)]] * 2)
+  root = str(tmp_path / "dst")
+  assert migration.migrate(str(base), root).ok
+  host0 = base.parent / "ckpts-0" / "ckpt-1.flax"
+  host1 = base.parent / "ckpts-1" / "ckpt-1.flax"
+  state = flax_format.load_file(str(host1), writable=True)
+  state["opt"]["extra"] = np.zeros(2, np.float32)
+  flax_format.save_file(state, str(host1))
+  host0.write_bytes(b"not msgpack")
+  problems = orbax_root.verify_orbax_root(root, str(base))["problems"]
+  assert any(p.startswith(f"{host0}: cannot be read to compare: ")
+             for p in problems), problems
+  assert f"{root}/1: leaves differ from {host1} (paths, dtypes or shapes)" in (
+      problems), problems
+
+
+def test_the_hint_names_two_namings(tmp_path):
+  root = tmp_path / "root"
+  (root / "step_0001").mkdir(parents=True)
+  (root / "ckpt_0001").mkdir()
+  assert orbax_root.step_naming_hint(str(root)).startswith(
+      "; its entries are named like 'ckpt_0001' and 'step_0001' (two "
+      "namings), which inspect")
+
+
+def _named_root(root, prefix, length, steps):
+  options = ocp.CheckpointManagerOptions(step_prefix=prefix,
+                                         step_format_fixed_length=length)
+  with ocp.CheckpointManager(str(root), options=options) as mngr:
+    for step in steps:
+      mngr.save(step, args=ocp.args.StandardSave({"w": np.arange(2) * step}))
+      mngr.wait_until_finished()
+
+
+def test_step_naming_reads_past_unfinished_names_and_single_digits(tmp_path):
+  root = tmp_path / "root"
+  _named_root(root, "step", None, [0, 3, 7])
+  names = sorted(os.listdir(root))
+  assert names == ["step_0", "step_3", "step_7"], names
+  # `step_0` is the step numbered 0, not a padding to one digit.
+  assert orbax_root.find_step_naming(str(root)) == (
+      orbax_root.StepNaming("step", None))
+  # An unfinished directory listed first does not end the reading.
+  tmp = "step_9.orbax-checkpoint-tmp-9"
+  (root / tmp).mkdir()
+  assert orbax_root.find_step_naming(str(root), [tmp] + names) == (
+      orbax_root.StepNaming("step", None))
+
+
+def test_steps_of_a_file_or_missing_root_are_none(tmp_path):
+  file = tmp_path / "file"
+  file.write_bytes(b"x")
+  for path in (file, tmp_path / "missing"):
+    assert orbax_root.read_steps(str(path)) == (orbax_root.PLAIN_STEPS, [], [])
+    assert orbax_root.list_steps(str(path)) == ([], [])
+
+
+def test_read_steps_lists_the_root_once(tmp_path, monkeypatch):
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "root"
+  _named_root(root, "step", 4, [1, 2])
+  listed = []
+  real = storage.listdir
+  monkeypatch.setattr(storage, "listdir",
+                      lambda p: listed.append(p) or real(p))
+  naming, steps, _ = orbax_root.read_steps(str(root))
+  assert naming == orbax_root.StepNaming("step", 4) and steps == [1, 2]
+  assert listed == [str(root)]

@@ -56,9 +56,16 @@ The package's modules, each owning one part:
 - `memory`: the byte budget, read-ahead, aligned staging and heap trimming
   of the writer.
 - `template`: the state in a train state's structure (`from_template`).
-- `destination`: the destination's lock and manifest (a fleet's safety).
+- `staging`: a `gs://` step written locally first, then uploaded many
+  files at once, its commit file last.
+- `destination`: the destination's lock and manifest (a fleet's safety),
+  over `lease` (the lock on a bucket: a lease refreshed, taken over when
+  stale).
 - `verify`: comparing a step with its source, and hosts with each other.
-- `run`: `migrate`, its results, `restore_state`.
+- `run`: `migrate`, `restore_state`; `results` (what `migrate` reports:
+  step results, the summary, `Progress` events), `interrupt` (Ctrl-C and
+  SIGTERM: the step being written abandoned cleanly), `options` (the
+  command's options, shared with the fleet).
 - `fleet` (the command of `migration/migrate_runs.py`), over
   `fleet_discovery` (which runs), `fleet_assignment` (destinations,
   shards), `fleet_workers` (worker processes) and `fleet_report`

@@ -421,16 +421,22 @@ class NotMigrated:
       "finetune/": a run inside the run) and files named like Flax's
       (`<prefix><number>`: "checkpoint_10", "ema_10"). Deleting the source
       deletes them.
+    removed: Checkpoints the root's manifest records as migrated whose step
+      the root no longer holds ("ckpt-5 (step 4000)"): removed since, by a
+      `CheckpointManager`'s `max_to_keep` or by hand. The source holds their
+      only copy (a re-run of the migration does not write them again: the
+      record stands).
   """
   source: str
   names: list[str]
   total: int
   entries: list[str] = dataclasses.field(default_factory=list)
+  removed: list[str] = dataclasses.field(default_factory=list)
 
   @property
   def anything(self) -> bool:
     """Whether deleting the source would lose anything listed here."""
-    return bool(self.names or self.entries)
+    return bool(self.names or self.entries or self.removed)
 
 
 # A CLU checkpoint's own files (and TensorFlow's and clu_ckpt's temporary
@@ -455,8 +461,11 @@ def _other_entries(src: Any) -> list[str]:
         src.path) else os.path.basename(directory.rstrip("/")) + "/")
     try:
       names = sorted(n.rstrip("/") for n in storage.listdir(directory))
-    except OSError:
-      continue  # the migration's own reading has said why
+    except Exception as e:  # pylint: disable=broad-except
+      # What it holds cannot be seen: not verified, so kept.
+      why = (e.strerror if isinstance(e, OSError) else None) or str(e)
+      out.append(f"{relative or './'} (not verified: cannot list it: {why})")
+      continue
     for name in names:
       if (name in taken or name == layout.STATE_FILENAME or
           name.startswith(f"{layout.STATE_FILENAME}.tmp") or
@@ -465,7 +474,11 @@ def _other_entries(src: Any) -> list[str]:
       path = storage.join(directory, name)
       try:
         is_dir = storage.isdir(path)
-      except OSError:
+        if not is_dir:  # a file only if known: `os.path.isdir` says False
+          storage.stat(path)  # when it cannot tell (no permission)
+      except FileNotFoundError:
+        is_dir = False  # gone, or a link to nothing: nothing to lose
+      except Exception:  # pylint: disable=broad-except
         is_dir = True  # cannot tell: keep it listed
       if is_dir:
         out.append(f"{relative}{name}/")
@@ -481,9 +494,12 @@ def checkpoints_not_migrated(root: str, source: str
   The question to answer before a source is deleted: a `--latest` or
   `--number` migration leaves the others behind, and training that went on
   saves more. A checkpoint counts as migrated when the root's manifest
-  records it (even if its step is gone since: Orbax's `max_to_keep`), or,
-  for what the manifest leaves out (a root migrated before manifests, a
-  kill before the record), when a step's migration metadata names it.
+  records it, or, for what the manifest leaves out (a root migrated before
+  manifests, a kill before the record), when a step's migration metadata
+  names it. A recorded checkpoint whose step the root no longer holds
+  (Orbax's `max_to_keep`, a hand) is listed apart (`NotMigrated.removed`):
+  the migration will not write it again, and the source holds its only
+  copy.
   Entries of the source's directories that a migration does not read (Orbax steps a
   `Checkpoint(layout="orbax")` saved there, a run inside the run, Flax
   files) are listed too (`NotMigrated.entries`): deleting the source
@@ -517,12 +533,15 @@ def checkpoints_not_migrated(root: str, source: str
   except MigrationError:
     recorded = {}
   done = set(recorded)
+  naming, steps, _ = orbax_root.read_steps(root)
+  held = set(steps)
+  removed = [f"{c.name} (step {recorded[c.number].get('step')})"
+             for c in src.checkpoints if c.number in recorded and
+             recorded[c.number].get("step") not in held]
   # Steps' metadata only for what the manifest leaves out: on a bucket each
   # read is a round trip.
   unrecorded = [c for c in src.checkpoints if c.number not in done]
-  naming, steps, _ = (orbax_root.read_steps(root) if unrecorded else
-                      (None, [], []))
-  for number in steps:
+  for number in steps if unrecorded else ():
     try:
       meta = json.loads(storage.read_bytes(storage.join(
           naming.path(root, number), "metadata", "metadata")))
@@ -532,5 +551,5 @@ def checkpoints_not_migrated(root: str, source: str
       done.add(meta.get("clu_checkpoint_number"))
   return NotMigrated(src.path, [c.name for c in src.checkpoints
                                 if c.number not in done],
-                     len(src.checkpoints), _other_entries(src))
+                     len(src.checkpoints), _other_entries(src), removed)
 

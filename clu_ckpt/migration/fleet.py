@@ -9,7 +9,7 @@ Synopsis::
 
   # What would be migrated, and what is skipped and why (writes nothing):
   python migration/migrate_runs.py --source-glob='/runs/*/checkpoints' \
-      --destination-root=/orbax_runs --dry-run
+      --exclude=/runs/lost+found --destination-root=/orbax_runs --dry-run
 
   # Retrying one run of that fleet: same destination root, same layout.
   python migration/migrate_runs.py --sources=/runs/c/checkpoints \
@@ -42,10 +42,13 @@ listed, a directory under the glob the walk cannot enter, a multihost run
 with a host missing or empty, are runs with an error, never a skip; a run
 named twice is one run). A glob or path naming a `MultihostCheckpoint`
 base covers its `<base>-<int>` host directories, and a glob matching host
-directories only covers their base (one matching `<name>` and
+directories only covers their base (a checkpoint some of them lack is then
+kept: they may be runs of their own; one matching `<name>` and
 `<name>-<int>` alike cannot tell hosts from runs: an error). A glob that
 matches nothing is an error naming it. In a bucket, each glob costs one
-listing.
+listing. `--exclude GLOB` (repeatable) leaves out what it matches and all
+below it (a root-only `lost+found`), each listed as skipped with the
+pattern.
 
 Destinations: `<destination-root>/<the run's path relative to the source
 root>`. The source root is `--source-root`, or the one recorded in
@@ -130,6 +133,7 @@ from clu_ckpt.migration.fleet_discovery import plan_fleet
 from clu_ckpt.migration.fleet_discovery import read_sources_file
 from clu_ckpt.migration.fleet_discovery import Run
 from clu_ckpt.migration.fleet_report import count_statuses
+from clu_ckpt.migration.fleet_report import default_launch_id
 from clu_ckpt.migration.fleet_report import sources_to_keep
 from clu_ckpt.migration.fleet_report import FINISHED
 from clu_ckpt.migration.fleet_report import MISSING
@@ -207,6 +211,10 @@ def build_parser(prog: str = PROG
   fleet.add_argument("--source-glob", action="append", default=[],
                      metavar="GLOB", help="a glob matching sources "
                      "(repeatable); quote it")
+  fleet.add_argument("--exclude", action="append", default=[],
+                     metavar="GLOB", help="leave out the runs this path or "
+                     "glob matches, and all below it (a root-only "
+                     "lost+found); each is listed as skipped (repeatable)")
   fleet.add_argument("--sources-file", metavar="FILE",
                      help="a file listing one source per line")
   fleet.add_argument("--destination-root", metavar="DIR",
@@ -228,9 +236,10 @@ def build_parser(prog: str = PROG
                      help="the JSON report (default migration_report.json, "
                      "or migration_report-<I>-of-<N>.json for a shard)")
   fleet.add_argument("--launch-id", metavar="ID",
-                     default=os.environ.get(LAUNCH_ENV) or None,
+                     default=default_launch_id(os.environ),
                      help="names this launch of a sharded fleet, the same on "
-                     "every shard (default ${LAUNCH_ENV}); --merge-reports "
+                     f"every shard (default ${LAUNCH_ENV}, else the Slurm "
+                     "array's $SLURM_ARRAY_JOB_ID); --merge-reports "
                      "merges the reports of one launch only")
   fleet.add_argument("--merge-reports", metavar="OUT",
                      help="migrate nothing: merge the reports given as "
@@ -412,7 +421,7 @@ class _Shard:
     recorded = read_recorded_root(args.destination_root)
     root = choose_source_root(args.source_root, recorded, args.source_glob,
                               sources)
-    plan = plan_fleet(sources, args.source_glob)
+    plan = plan_fleet(sources, args.source_glob, excludes=args.exclude)
     assign_destinations(plan.runs, root, args.destination_root)
     for run in plan.runs:
       if run.error is None:
@@ -500,9 +509,11 @@ def print_plan(plan: Plan, runs: Sequence[Run], out: TextIO,
       print(printable(f"cannot migrate {run.source}: {run.error}"), file=out)
       continue
     hosts = f", {len(run.hosts)} hosts" if run.hosts else ""
+    through = ("; reached through its host directories only: a checkpoint "
+               "some of them lack is kept" if run.through_hosts else "")
     print(printable(f"would migrate {run.source} -> {run.destination} "
-                    f"({run.kind}{hosts}, {format_bytes(run.nbytes)})"),
-          file=out)
+                    f"({run.kind}{hosts}, {format_bytes(run.nbytes)}"
+                    f"{through})"), file=out)
 
 
 def run_shard(args: argparse.Namespace, options: Mapping[str, Any],
@@ -644,7 +655,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
 def _main(args: argparse.Namespace, dests: Sequence[str],
           prog: str) -> int:
   # `file://` URLs name local paths: planned, compared and written as such.
-  for name in ("source_glob", "reports"):
+  for name in ("source_glob", "reports", "exclude"):
     setattr(args, name, [plain_local(p) for p in getattr(args, name)])
   for name in ("sources_file", "destination_root", "source_root", "report",
                "merge_reports"):

@@ -18,7 +18,8 @@ reason (an empty directory, not a checkpoint directory, a host directory
 of a run listed as its base). A `MultihostCheckpoint` keeps its hosts in
 `<base>-<int>` directories: a glob or path naming `<base>` covers them
 (host 0 missing, a host empty or not CLU's: the run's error), and a glob
-matching them only covers their `<base>` (one matching `<base>` and
+matching them only covers their `<base>` (`Run.through_hosts`: they may be
+runs of their own, so what some of them lack is kept; one matching `<base>` and
 `<base>-<int>` alike cannot tell hosts from runs named so: an error). One
 function, `classify`, says what a directory is from its listing. A glob
 that matches nothing is an error naming it. In a bucket, each glob costs
@@ -279,11 +280,14 @@ def _flax_files_of_another_prefix(path: str, entries: Mapping[str, int]
   return flax_training.find_prefix(path) is not None
 
 
-def _flax_prefixes(path: str, entries: Mapping[str, int]) -> list[str]:
+def _flax_prefixes(path: str, entries: Mapping[str, int]
+                   ) -> tuple[list[str], dict[str, str]]:
   """The prefixes of the files in `path` named `<prefix><digits>` that
-  start as a msgpack map (Flax states: `model_3`, `ema_10`), sorted."""
+  start as a msgpack map (Flax states: `model_3`, `ema_10`), sorted; and
+  those of such names that could not be read (name -> why): Flax states
+  or not, that cannot be told."""
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
-  prefixes = set()
+  prefixes, unread = set(), {}
   for name, size in entries.items():
     m = _FLAX_NAME_RE.match(name)
     if m is None or size <= 0 or m.group("prefix").endswith(("-", "tmp")):
@@ -291,11 +295,14 @@ def _flax_prefixes(path: str, entries: Mapping[str, int]) -> list[str]:
     file_path = join_path(path, name)
     try:
       head = storage.filesystem(file_path).read_bytes(file_path, 0, 1)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError) as e:
+      if not isinstance(e, FileNotFoundError):  # not gone since listed
+        unread[name] = (e.strerror if isinstance(e, OSError) else None) or (
+            str(e))
       continue
     if len(head) == 1 and head[0] in _MAP_FIRST_BYTES:
       prefixes.add(m.group("prefix"))
-  return sorted(prefixes)
+  return sorted(prefixes), unread
 
 
 # The kinds this version migrates (`clu_ckpt.migration.migrate` reads both).
@@ -336,8 +343,9 @@ def list_candidates(pattern: str) -> dict[str, Entries]:
   """Paths matching `pattern` or `pattern-<int>`, each with its entries.
 
   Locally: two globs and one directory listing per path. In a bucket: one
-  recursive listing under the pattern's fixed prefix, two levels deeper
-  than the pattern (every level with `**`), matched here.
+  flat listing under the pattern's fixed prefix, kept two levels deeper
+  than the pattern (every level with `**`), matched here; a listing that
+  fails is that prefix `Unsearched` (an error naming it, never a skip).
 
   Args:
     pattern: A glob (a literal path is a glob matching itself): `*`, `?`,
@@ -474,10 +482,21 @@ def _list_bucket(pattern: str) -> dict[str, Entries]:
   prefix = split_url(glob_prefix(pattern))[1].rstrip("/")
   depth = (None if "**" in key_pattern.split("/") else
            key_pattern.count("/") - prefix.count("/") + 1)
-  found = fs.find(prefix, maxdepth=depth, withdirs=True, detail=True)
+  try:
+    # One flat listing, not fsspec's walk (`maxdepth`): its walk passes
+    # over a prefix whose listing fails (s3fs), leaving its runs out unseen.
+    found = fs.find(prefix, withdirs=True, detail=True)
+  except Exception as e:  # pylint: disable=broad-except
+    from clu_ckpt import bucket_client  # pylint: disable=g-import-not-at-top
+    e = bucket_client.translate(e, scheme + prefix)
+    why = " ".join(((e.strerror if isinstance(e, OSError) else None) or
+                    str(e)).split())  # one line
+    return {scheme + prefix: Unsearched(f"{type(e).__name__}: {why}")}
   host_pattern = key_pattern + "-[0-9]*"
   candidates: dict[str, Entries] = {}
-  found = {key.rstrip("/"): info for key, info in found.items()}
+  found = {key.rstrip("/"): info for key, info in found.items()
+           if depth is None or
+           key.rstrip("/").count("/") <= prefix.count("/") + depth}
   for key, info in found.items():
     if _matches(key, key_pattern) or (_matches(key, host_pattern) and
                                       _HOST_DIR_RE.match(key)):
@@ -528,6 +547,11 @@ class Run:
     destination: Its Orbax root (set by `assign_destinations`).
     error: Why it cannot be migrated (an explicitly named source that is
       not a checkpoint directory); it is then reported, not migrated.
+    through_hosts: A `MultihostCheckpoint` reached through its host
+      directories only (`runs/seed-*`: no glob or path names its base):
+      they may be single-host runs of their own named like hosts, so a
+      checkpoint only some of them keep is not taken for an unfinished
+      save (the run's entry lists it and its source is kept).
   """
   source: str
   kind: str
@@ -535,6 +559,7 @@ class Run:
   nbytes: int = 0
   destination: str = ""
   error: Optional[str] = None
+  through_hosts: bool = False
 
 
 @dataclasses.dataclass
@@ -649,7 +674,8 @@ def _plan_hosts(pattern: str, base: str, hosts: Mapping[int, str],
             base, *ordered}, set()
   run = Run(base, "MultihostCheckpoint", ordered,
             sum(_size(candidates[h]) for h in ordered),
-            error=_host_error(base, hosts, candidates))
+            error=_host_error(base, hosts, candidates),
+            through_hosts=not base_named and explicit is None)
   skipped = [Skipped(h, f"{HOST_REASON}{base}", pattern) for h in matched]
   return Plan([run], skipped), {base, *ordered}, set()
 
@@ -709,12 +735,19 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
                       nbytes=_size(entries)))
     elif kind == UNLISTABLE:  # likely a run: an error, whoever named it
       runs.append(Run(path, kind, error=f"cannot list: {entries.reason}"))
-    elif kind == OTHER and len(prefixes := _flax_prefixes(path,
-                                                          entries)) > 1:
+    elif kind == OTHER and len((flax := _flax_prefixes(path,
+                                                      entries))[0]) > 1:
       runs.append(Run(path, FLAX_TRAINING, error=(
           "Flax checkpoint files of several prefixes "
-          f"({', '.join(prefixes)}): which is the run's state cannot be "
+          f"({', '.join(flax[0])}): which is the run's state cannot be "
           "told; move each prefix's files into a directory of its own")))
+    elif kind == OTHER and flax[1]:  # likely a run: an error, not a skip
+      name, why = sorted(flax[1].items())[0]
+      more = (f" (and {len(flax[1]) - 1} more such file(s))"
+              if len(flax[1]) > 1 else "")
+      runs.append(Run(path, UNLISTABLE, error=(
+          f"cannot read {name} ({why}){more}: whether it is a Flax "
+          "checkpoint cannot be told")))
     elif explicit:
       runs.append(Run(path, kind, error=_REASONS[kind]))
     else:
@@ -731,14 +764,19 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
 
 
 def plan_fleet(sources: Sequence[str], globs: Sequence[str],
-               lister: Callable[[str], Mapping[str, Entries]] = list_candidates
-               ) -> Plan:
+               lister: Callable[[str], Mapping[str, Entries]] = list_candidates,
+               excludes: Sequence[str] = ()) -> Plan:
   """Every run named or matched, and every matched path skipped.
 
   Args:
     sources: Paths named directly (`--sources`, `--sources-file`).
     globs: `--source-glob` patterns.
     lister: `list_candidates` (a test may count its calls).
+    excludes: `--exclude` globs: a run (or a directory the walk cannot
+      list, such as a root-only `lost+found`) that one matches, or that is
+      below a path one matches, is skipped with the pattern as its reason.
+      A host directory of a run whose base is not excluded makes the run an
+      error (a `MultihostCheckpoint` goes with all its hosts or none).
 
   Returns:
     The plan, runs and skipped paths sorted and de-duplicated (a path that
@@ -750,6 +788,7 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   sources, globs = map(plain_local, sources), map(plain_local, globs)
+  excludes = [plain_local(e) for e in excludes]
   plans = []
   for pattern in globs:
     plan = plan_pattern(pattern, lister(pattern))
@@ -763,6 +802,11 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
                          f"{run.error}")
     plans.append(plan)
   for source in sources:
+    if split_url(source)[0] and not _is_utf8(source):
+      plans.append(Plan([Run(normalize_path(source), "Checkpoint", error=(
+          "not valid UTF-8 (a line of --sources-file in another encoding?): "
+          "a bucket's names are UTF-8"))], []))
+      continue
     escaped = storage.glob_escape(normalize_path(source))
     plans.append(plan_pattern(escaped, lister(escaped),
                               explicit=normalize_path(source)))
@@ -772,10 +816,16 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
   for plan in plans:
     for run in plan.runs:
       key = _identity(run.source)
+      # A base some glob or path names is not reached through its hosts
+      # only, whichever plan's entry stays.
+      hosts_only = run.through_hosts and runs.get(key, run).through_hosts
       if key not in runs or (runs[key].error and not run.error):
         runs[key] = run
-  _fold_unsearched(runs)
+      runs[key].through_hosts = hosts_only
   skipped: dict[str, Skipped] = {}
+  for key, why in _excluded_runs(runs, excludes).items():
+    skipped[key] = Skipped(runs.pop(key).source, why, "")
+  _fold_unsearched(runs)
   for twice in _reached_twice(list(runs.values())):
     del runs[_identity(twice.path)]
     skipped[_identity(twice.path)] = twice
@@ -785,6 +835,58 @@ def plan_fleet(sources: Sequence[str], globs: Sequence[str],
         skipped.setdefault(_identity(s.path), s)
   return Plan(sorted(runs.values(), key=lambda r: r.source),
               sorted(skipped.values(), key=lambda s: s.path))
+
+
+def _excluded_by(path: str, excludes: Sequence[str]) -> Optional[str]:
+  """The first of `excludes` matching `path` or a directory above it (a
+  pattern starting with `**` anywhere; another relative one relative to the
+  current directory, as a relative glob is)."""
+  key = _identity(path)
+  while True:
+    for pattern in excludes:
+      if _matches(key, pattern if pattern.startswith("**") else
+                  _identity(pattern)):
+        return pattern
+    parent = parent_path(key)
+    if parent == key or not split_url(parent)[1]:
+      return None
+    key = parent
+
+
+def _excluded_runs(runs: Mapping[str, Run], excludes: Sequence[str]
+                   ) -> dict[str, str]:
+  """The runs `--exclude` leaves out (key -> the skip's reason); a run with
+  an excluded host directory gets an error instead. A directory the walk
+  could not list inside a run that stays is that run's error still (the
+  run's source holds it)."""
+  if not excludes:
+    return {}
+  out = {}
+  for key, run in runs.items():
+    pattern = _excluded_by(run.source, excludes)
+    if pattern is not None and run.kind == UNSEARCHED and any(
+        r.kind != UNSEARCHED and relative_path(key, k) and
+        _excluded_by(r.source, excludes) is None for k, r in runs.items()):
+      continue
+    if pattern is not None:
+      out[key] = f"excluded (--exclude {pattern})"
+      continue
+    hosts = [(h, p) for h in run.hosts
+             if (p := _excluded_by(h, excludes)) is not None]
+    if hosts and run.error is None:
+      run.error = (f"host directory {hosts[0][0]} is excluded (--exclude "
+                   f"{hosts[0][1]}): a MultihostCheckpoint is migrated with "
+                   f"all its hosts or not at all; exclude {run.source} "
+                   "instead, or none of its hosts")
+  return out
+
+
+def _is_utf8(text: str) -> bool:
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:  # bytes that are not, as surrogates
+    return False
+  return True
 
 
 def _fold_unsearched(runs: dict[str, Run]) -> None:
@@ -842,19 +944,21 @@ def read_sources_file(path: str) -> list[str]:
       blank, so that a "#" inside a name (`runs/exp#3`) stays part of it.
 
   Returns:
-    The paths, as written (surrounding blanks removed).
+    The paths, as written (surrounding blanks removed). A line that is not
+    UTF-8 is decoded as Python decodes file names (`os.fsdecode`: each
+    byte that is not becomes a lone surrogate): a local name in those
+    bytes is found, and that run, whose name Orbax cannot write, is an
+    error naming it, as when a glob finds it; the other lines go on.
 
   Raises:
-    UsageError: The file cannot be read, or is not UTF-8 text.
+    UsageError: The file cannot be read.
   """
   from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
   try:
-    # utf-8-sig: a file saved by an editor that starts it with a BOM.
-    text = storage.read_bytes(path).decode("utf-8-sig")
+    text = storage.read_bytes(path).decode("utf-8", "surrogateescape")
   except OSError as e:
     raise UsageError(f"--sources-file {path}: {e.strerror or e}") from None
-  except UnicodeDecodeError as e:
-    raise UsageError(f"--sources-file {path}: not UTF-8 text ({e})") from None
+  text = text[1:] if text.startswith("\ufeff") else text  # an editor's BOM
   lines = [_COMMENT_RE.sub("", l).strip() for l in text.splitlines()]
   return [l for l in lines if l]
 

@@ -477,6 +477,29 @@ def load_report(path: str) -> dict[str, Any]:
 
 # The environment variable naming a launch (`--launch-id`'s default).
 LAUNCH_ENV = "CLU_CKPT_FLEET_LAUNCH_ID"
+# Set by a scheduler to the same value in every task of one launch, and to
+# another in the next: the default launch id when LAUNCH_ENV is not set
+# (Slurm: the job id of an array, shared by its tasks).
+SCHEDULER_LAUNCH_ENVS = ("SLURM_ARRAY_JOB_ID",)
+
+
+def default_launch_id(environ: Mapping[str, str]) -> Optional[str]:
+  """The launch id a shard takes without `--launch-id`.
+
+  Args:
+    environ: The environment.
+
+  Returns:
+    `$CLU_CKPT_FLEET_LAUNCH_ID`, else the scheduler's id of this launch
+    (`$SLURM_ARRAY_JOB_ID`, as `--launch-id=$SLURM_ARRAY_JOB_ID` gives
+    it), else None.
+  """
+  if environ.get(LAUNCH_ENV):
+    return environ[LAUNCH_ENV]
+  for name in SCHEDULER_LAUNCH_ENVS:
+    if environ.get(name):
+      return environ[name]
+  return None
 # Options that tune one machine, not what is written: a launch's shards may
 # differ in them.
 _MACHINE_OPTIONS = ("max_inflight_mib",)

@@ -177,6 +177,17 @@ class _Worker:
       if lacking:
         entry["warning"] = (f"not on every host, not migrated: "
                             f"{', '.join(f'ckpt-{n}' for n in lacking)}")
+      hosts_only = task.get("through_hosts")
+      # Read as hosts, runs of their own lose what only some of them keep,
+      # and, with --state-host, the states of the others (not compared).
+      unread = [f"state of {h} (not compared: --state-host)"
+                for i, h in enumerate(hosts_only or [])
+                if options.get("state_host") not in (None, i)] if (
+                    len(summary.hosts) > 1) else []
+      if hosts_only and (lacking or unread):
+        entry["warning"] = "; ".join(filter(None, [
+            entry.get("warning"), ", ".join(unread)])) + _hosts_or_runs(
+                task["source"], hosts_only)
       if summary.ok and lacking and not summary.steps:
         # Checkpoints are there, but none on every host: nothing migrated,
         # which an operator must not read as a run done.
@@ -184,11 +195,27 @@ class _Worker:
       elif summary.ok:
         entry["status"] = "ok"
         _name_what_the_source_keeps(entry, summary.dry_run)
+        if hosts_only and (lacking or unread) and not summary.dry_run:
+          # Maybe not unfinished saves: the checkpoints of a run of its own.
+          kept = entry.get("source_not_migrated", [])
+          entry["source_not_migrated"] = [
+              *(f"ckpt-{n}" for n in lacking if f"ckpt-{n}" not in kept),
+              *unread, *kept]
       else:
         entry.update(status="failed", error="; ".join(
             f"ckpt-{s.number}: {s.error}" for s in summary.failed))
     entry["seconds"] = round(time.time() - start, 3)
     return entry
+
+
+def _hosts_or_runs(base: str, hosts: Sequence[str]) -> str:
+  """What a run reached through its host directories only adds to the note
+  on checkpoints some hosts lack: they may be runs of their own."""
+  return (f" (reached through {', '.join(hosts)} only, no glob or path "
+          f"naming {base}: the hosts of one MultihostCheckpoint, or runs of "
+          "their own whose own checkpoints these are? Kept: do not delete "
+          f"it. Name them with --sources={base} (one run) or --sources="
+          f"{','.join(hosts)} (runs of their own))")
 
 
 def _name_what_the_source_keeps(entry: dict[str, Any], dry_run: bool
@@ -201,20 +228,32 @@ def _name_what_the_source_keeps(entry: dict[str, Any], dry_run: bool
     return
   left = destination.checkpoints_not_migrated(entry["destination"],
                                               entry["source"])
-  if left is None or not left.anything:
+  if left is None:  # read moments ago, not now (a bucket's outage...)
+    note = ("the source could not be read again after its migration: what "
+            "it keeps is not verified: do not delete it")
+    entry["source_not_migrated"] = [f"(not verified: {note.split(': ')[0]})"]
+    entry["warning"] = (f"{entry['warning']}; {note}" if entry.get("warning")
+                        else note)
+    return
+  if not left.anything:
     return
   # Entries the migration does not read (an Orbax step, a run inside the
   # run) count as what the source keeps: `sources_to_keep` follows this.
-  kept = left.names + left.entries
+  kept = left.names + left.removed + left.entries
   entry["source_not_migrated"] = kept
   shown = ", ".join(kept[:5]) + (
       f" and {len(kept) - 5} more" if len(kept) > 5 else "")
-  what = (f"{len(left.names)} of {left.total} checkpoint(s)"
-          if left.names else "")
+  parts = []
+  if left.names:
+    parts.append(f"{len(left.names)} of {left.total} checkpoint(s) not "
+                 "migrated")
+  if left.removed:
+    parts.append(f"{len(left.removed)} checkpoint(s) whose step the "
+                 "destination no longer holds")
   if left.entries:
-    what += (" and " if what else "") + (
-        f"{len(left.entries)} other entr{'y' if len(left.entries) == 1 else 'ies'}")
-  note = f"the source keeps {what} not migrated ({shown}): do not delete it"
+    parts.append(f"{len(left.entries)} other "
+                 f"entr{'y' if len(left.entries) == 1 else 'ies'} not migrated")
+  note = f"the source keeps {' and '.join(parts)} ({shown}): do not delete it"
   entry["warning"] = (f"{entry['warning']}; {note}" if entry.get("warning")
                       else note)
 
@@ -359,8 +398,10 @@ class _WorkerProcess:
   def send(self, run: Run) -> None:
     self.run = run
     self.started = time.time()
-    self.process.stdin.write(json.dumps(
-        {"source": run.source, "destination": run.destination}) + "\n")
+    task = {"source": run.source, "destination": run.destination}
+    if run.through_hosts:
+      task["through_hosts"] = run.hosts
+    self.process.stdin.write(json.dumps(task) + "\n")
     self.process.stdin.flush()
 
   def close_input(self) -> None:
