@@ -449,3 +449,47 @@ def test_a_bucket_migration_asks_few_questions_before_and_after_its_step(
   downloads = [line for line, rng in lines if "alt=media" in line and
                "/run%2F" in line and rng is None]
   assert len(downloads) == len(set(downloads)), downloads
+
+
+def test_a_killed_runs_leftovers_are_gone_before_anything_goes_up(
+    gcs, tmp_path, monkeypatch):
+  # The leftovers' removal runs beside the local write; no file of the step
+  # may go up before it has ended (it would remove what went up). Here the
+  # removal waits for an upload to start (up to 5 s): one that starts is a
+  # failure, none starting is the contract.
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  bucket = gcs.bucket()
+  state = _state(8)
+  source = _checkpoint_run(gcs, bucket, "run", state)
+  destination = f"gs://{bucket}/orbax"
+  fs = gcs.fs()
+  key = destination.split("://", 1)[1]
+  fs.pipe_file(f"{key}/7/state/d/leftover", b"x" * 100)  # no commit file
+  events = []
+  uploading = threading.Event()
+  put = staging._put  # pylint: disable=protected-access
+
+  def recording_put(local_path, url, data=None):
+    events.append(("put", url))
+    uploading.set()
+    put(local_path, url, data)
+
+  remove = orbax_target.OrbaxTarget._remove_remote_partial  # pylint: disable=protected-access
+
+  def slow_remove(self, step):
+    uploading.wait(5)  # an upload that does not wait for us shows here
+    remove(self, step)
+    events.append(("removed", step))
+
+  monkeypatch.setattr(staging, "_put", recording_put)
+  monkeypatch.setattr(orbax_target.OrbaxTarget, "_remove_remote_partial",
+                      slow_remove)
+  assert migration.migrate(source, destination,
+                           staging_dir=str(tmp_path)).ok
+  assert events[0] == ("removed", 7), events[:3]
+  assert orbax_root.list_steps(destination) == ([7], [])
+  names = _objects(gcs, destination)
+  assert "7/state/d/leftover" not in names
+  with ocp_manager(destination) as mngr:
+    got = mngr.restore(7)["state"]["params"]["kernel"]
+  assert np.asarray(got).tobytes() == state["params"]["kernel"].tobytes()
