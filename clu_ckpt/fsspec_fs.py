@@ -209,7 +209,7 @@ class FsspecFileSystem(filesystem.FileSystem):
     key = self._key(path).rstrip("/")
     with self._naming(path):
       entries = self.fs.ls(key, detail=True)
-    names = set()
+    names, files, prefixes = set(), set(), set()
     for entry in entries:
       name = str(entry.get("name", "")).strip("/")
       if name == key.strip("/") or not name:
@@ -217,8 +217,16 @@ class FsspecFileSystem(filesystem.FileSystem):
       base = name.rsplit("/", 1)[-1]
       names.add(base)
       if entry.get("type") == "file":
+        files.add(base)
         bucket_cache.remember(self._scheme, "_asked_info",
                               f"{path.rstrip('/')}/{base}", dict(entry))
+      elif entry.get("type") == "directory":
+        prefixes.add(base)
+    for base in prefixes - files:  # a prefix, and no object of that name
+      url = f"{path.rstrip('/')}/{base}"
+      bucket_cache.remember(
+          self._scheme, "_asked_info", url,
+          errors.NotRegularFileError(url, "a directory (a prefix)"), ok=False)
     return sorted(n for n in names if n)
 
   @_cached

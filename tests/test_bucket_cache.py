@@ -646,3 +646,16 @@ def test_a_listing_answers_a_name_in_its_directory_only_in_its_own_block(
   with bucket_cache.metadata_cache():
     assert bucket.exists("gs://bk/run/new")  # a new block asks afresh
   assert bucket.store.calls["info"] == 1, bucket.store.calls
+
+
+def test_a_listing_answers_for_its_prefixes(bucket):
+  # A step directory of a listed root is known to be one without asking
+  # (an object and a prefix of one name: test_fsspec_fs, on the emulators).
+  for name in ("root/7/a", "root/8/a", "root/9"):
+    _put(bucket, name, b"x")
+  with bucket_cache.metadata_cache():
+    assert bucket.listdir("gs://bk/root") == ["7", "8", "9"]
+    bucket.store.calls.clear()
+    assert bucket.isdir("gs://bk/root/7") and bucket.exists("gs://bk/root/8")
+    assert not bucket.isdir("gs://bk/root/9")
+    assert not bucket.store.calls, bucket.store.calls
