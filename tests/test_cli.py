@@ -728,3 +728,80 @@ def test_inspect_a_missing_step_of_a_migrated_root_hints_at_the_mapping(
                                                 mapping.values()])
   assert _in_process(capsys, "inspect", tmp_path / "dst", "--checkpoint",
                      mapping[number]).returncode == 0
+
+
+def _verify_source_problems(capsys, dst, src):
+  done = _in_process(capsys, "verify", dst, "--source", src)
+  return done.returncode, [l for l in done.stdout.splitlines()
+                           if l.startswith("PROBLEM: ")], done.stdout
+
+
+@pytest.mark.orbax  # migrates
+def test_verify_with_its_source_names_steps_saved_in_a_multihost_base(
+    tmp_path, capsys):
+  """A MultihostCheckpoint switched to `layout="orbax"` saves its steps in
+  the base directory itself, which holds no host's files: deleting the
+  source would lose them, and `verify --source` must say so (it said OK)."""
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  base, dst = tmp_path / "mh" / "checkpoints", tmp_path / "dst"
+  multihost_save(base, [[example_state(1), example_state(2)]] * 2)
+  assert cli.main(["migrate", str(base), str(dst)]) == 0
+  code, problems, out = _verify_source_problems(capsys, dst, base)
+  assert code == 0, out
+  ckpt = checkpoint.MultihostCheckpoint(str(base), host_id=0, layout="orbax")
+  ckpt.save(ckpt.restore_or_initialize(example_state(0)))
+  steps = sorted(p.name for p in base.iterdir())
+  assert steps, "the Orbax layout saved nothing in the base"
+  code, problems, out = _verify_source_problems(capsys, dst, base)
+  assert code == 1 and len(problems) == 1, out
+  assert all(f"checkpoints/{s}" in problems[0] for s in steps), problems
+  assert "deleting the source would delete them" in problems[0]
+
+
+@pytest.mark.orbax  # migrates
+def test_verify_with_its_source_names_checkpoints_hosts_kept_training_past(
+    tmp_path, capsys, golden_copy):
+  """A job resumed on fewer hosts: the hosts that went on keep checkpoints
+  the others never had. The one number after the newest common checkpoint
+  may be a save the others never finished (not counted); later ones are
+  training, and `verify --source` names them."""
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  base, dst = tmp_path / "mh" / "ckpts", tmp_path / "dst"
+  multihost_save(base, [[example_state(i) for i in (1, 2, 3, 4)]] * 2 +
+                 [[example_state(1)]] * 2)
+  assert cli.main(["migrate", str(base), str(dst)]) == 0
+  code, problems, out = _verify_source_problems(capsys, dst, base)
+  assert code == 1 and len(problems) == 1, out
+  assert "ckpt-3 (kept by some hosts only" in problems[0], problems
+  assert "ckpt-4 (kept by some hosts only" in problems[0], problems
+  assert "ckpt-2 " not in problems[0], problems
+  # A save one host finished and the other did not: no noise.
+  golden = golden_copy("multihost") / "checkpoints"
+  dst2 = tmp_path / "dst2"
+  assert cli.main(["migrate", str(golden), str(dst2)]) == 0
+  code, problems, out = _verify_source_problems(capsys, dst2, golden)
+  assert code == 0, out
+
+
+@pytest.mark.orbax  # migrates
+def test_verify_with_its_source_names_a_save_in_progress(tmp_path, capsys):
+  """CLU writes a checkpoint's `.flax` before TensorFlow's commit: a save
+  in progress (or a torn one) is not in the state file, and deleting the
+  source would lose it."""
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  src, dst = tmp_path / "run", tmp_path / "dst"
+  clu_save(src, [example_state(1), example_state(2)])
+  assert cli.main(["migrate", str(src), str(dst)]) == 0
+  shutil.copyfile(src / "ckpt-2.flax", src / "ckpt-3.flax")
+  code, problems, out = _verify_source_problems(capsys, dst, src)
+  assert code == 1 and len(problems) == 1, out
+  assert "ckpt-3.flax (not committed: a save in progress, or a torn one)" in (
+      problems[0]), problems
+  # Debris of an older torn save is not a checkpoint to keep.
+  (src / "ckpt-3.flax").rename(src / "ckpt-1.flax.tmp-9")
+  code, problems, out = _verify_source_problems(capsys, dst, src)
+  assert code == 0, out

@@ -406,16 +406,20 @@ class NotMigrated:
   Attributes:
     source: The source's path as discovered (absolute).
     names: The checkpoints ("ckpt-8"), oldest first; [] when all were
-      migrated. (A checkpoint kept on some hosts of a `MultihostCheckpoint`
-      only is a save the other hosts never finished: CLU never restores it,
-      and it is not counted.)
+      migrated. (The checkpoint numbered after the newest one every host of
+      a `MultihostCheckpoint` keeps, kept by some hosts only, is a save the
+      others never finished: CLU never restores it, and it is not counted;
+      later ones some hosts keep are in `entries`.)
     total: How many checkpoints the source keeps.
     entries: Other entries of the source's directories that may hold
       checkpoints the migration does not read, relative to the source:
       subdirectories ("6/": an Orbax step of `Checkpoint(layout="orbax")`;
       "finetune/": a run inside the run) and files named like Flax's
-      (`<prefix><number>`: "checkpoint_10", "ema_10"). Deleting the source
-      deletes them.
+      (`<prefix><number>`: "checkpoint_10", "ema_10"); the entries of a
+      `MultihostCheckpoint`'s base directory ("checkpoints/3/": steps its
+      `layout="orbax"` saved there); `.flax` files newer than every
+      committed checkpoint (a save in progress or a torn one); checkpoints some hosts
+      keep past an unfinished save. Deleting the source deletes them.
     removed: Checkpoints the root's manifest records as migrated whose step
       the root no longer holds ("ckpt-5 (step 4000)"): removed since, by a
       `CheckpointManager`'s `max_to_keep` or by hand. The source holds their
@@ -438,6 +442,8 @@ class NotMigrated:
 # ones): what a migration reads, or debris of an interrupted save.
 _CLU_FILE = re.compile(
     r".+-\d+(\.flax(\.tmp-.*)?|\.index|\.data-\d+-of-\d+|_temp)", re.S)
+# A whole `.flax` file's checkpoint number (a temporary one is no state).
+_FLAX_NUMBER = re.compile(r".+-(\d+)\.flax", re.S)
 # A file named like Flax's `flax.training.checkpoints` files: `<prefix><n>`.
 _FLAX_LIKE = re.compile(r"[^.]*\d", re.S)
 
@@ -450,10 +456,27 @@ def _other_entries(src: Any) -> list[str]:
   """
   taken = {os.path.basename(f) for c in src.checkpoints
            for f in (c.files or {}).values()}
+  # Past every number committed on some host: a save in progress (CLU
+  # writes the `.flax` before TensorFlow's commit) or a torn one.
+  committed = [c.number for c in src.checkpoints] + list(
+      getattr(src, "not_on_all_hosts", []))
+  newest = max(committed, default=0)
   out = []
-  for directory in src.host_directories.values():
+  directories = list(src.host_directories.values())
+  base = layout.normpath(src.path)
+  if base not in {layout.normpath(d) for d in directories}:
+    # A MultihostCheckpoint's base path is no host's: a directory there
+    # holds what `layout="orbax"` saved (every host's steps) or another
+    # run, none of which the migration reads.
+    try:
+      if storage.isdir(src.path):
+        directories.append(src.path)
+    except Exception:  # pylint: disable=broad-except
+      directories.append(src.path)  # cannot tell: listing it will say
+  for directory in directories:
     relative = ("" if layout.normpath(directory) == layout.normpath(
-        src.path) else os.path.basename(directory.rstrip("/")) + "/")
+        src.path) and len(directories) == len(src.host_directories)
+                else os.path.basename(directory.rstrip("/")) + "/")
     try:
       names = sorted(n.rstrip("/") for n in storage.listdir(directory))
     except Exception as e:  # pylint: disable=broad-except
@@ -463,8 +486,13 @@ def _other_entries(src: Any) -> list[str]:
       continue
     for name in names:
       if (name in taken or name == layout.STATE_FILENAME or
-          name.startswith(f"{layout.STATE_FILENAME}.tmp") or
-          _CLU_FILE.fullmatch(name)):
+          name.startswith(f"{layout.STATE_FILENAME}.tmp")):
+        continue
+      if _CLU_FILE.fullmatch(name):
+        number = _FLAX_NUMBER.fullmatch(name)
+        if number and int(number.group(1)) > newest:
+          out.append(f"{relative}{name} (not committed: a save in "
+                     "progress, or a torn one)")
         continue
       path = storage.join(directory, name)
       try:
@@ -480,6 +508,20 @@ def _other_entries(src: Any) -> list[str]:
       elif not name.startswith(".") and _FLAX_LIKE.fullmatch(name):
         out.append(f"{relative}{name}")
   return out
+
+
+def _on_some_hosts(src: Any) -> list[str]:
+  """Checkpoints some hosts of a `MultihostCheckpoint` keep, past the one
+  save the others may have left unfinished (the number after the newest
+  common one): training went on there (a job resumed on fewer hosts), and
+  the migration, which takes what every host keeps, leaves them."""
+  newest = max((c.number for c in src.checkpoints), default=0)
+  prefix = (src.checkpoints[-1].name.rsplit("-", 1)[0] if src.checkpoints
+            else "ckpt")
+  return [f"{prefix}-{n} (kept by some hosts only, past an unfinished save: "
+          "training went on there; not migrated)"
+          for n in sorted(getattr(src, "not_on_all_hosts", []))
+          if n > newest + 1]
 
 
 def checkpoints_not_migrated(root: str, source: str
@@ -546,5 +588,6 @@ def checkpoints_not_migrated(root: str, source: str
       done.add(meta.get("clu_checkpoint_number"))
   return NotMigrated(src.path, [c.name for c in src.checkpoints
                                 if c.number not in done],
-                     len(src.checkpoints), _other_entries(src), removed)
+                     len(src.checkpoints),
+                     _on_some_hosts(src) + _other_entries(src), removed)
 
