@@ -805,3 +805,19 @@ def test_verify_with_its_source_names_a_save_in_progress(tmp_path, capsys):
   (src / "ckpt-3.flax").rename(src / "ckpt-1.flax.tmp-9")
   code, problems, out = _verify_source_problems(capsys, dst, src)
   assert code == 0, out
+
+
+@pytest.mark.orbax  # migrates
+def test_a_host_directory_that_is_a_broken_link_is_refused(
+    tmp_path, capsys, golden_copy):
+  """A host directory on a disk not mounted (a broken link) was dropped
+  unseen: the run migrated as one host, verify said OK, and deleting the
+  source orphaned the other host's iterator."""
+  base = golden_copy("multihost") / "checkpoints"
+  host1 = base.parent / "checkpoints-1"
+  shutil.rmtree(host1)
+  host1.symlink_to(tmp_path / "not-mounted" / "host1")
+  done = _in_process(capsys, "migrate", base, tmp_path / "dst")
+  _assert_one_line_error(done, 1, str(host1), "not a directory one can read")
+  assert not (tmp_path / "dst").exists() or not any(
+      p.name.isdigit() for p in (tmp_path / "dst").iterdir())
