@@ -821,3 +821,33 @@ def test_a_host_directory_that_is_a_broken_link_is_refused(
   _assert_one_line_error(done, 1, str(host1), "not a directory one can read")
   assert not (tmp_path / "dst").exists() or not any(
       p.name.isdigit() for p in (tmp_path / "dst").iterdir())
+
+
+@pytest.mark.orbax  # migrates
+def test_a_checkpoint_number_saved_again_is_not_taken_as_migrated(
+    tmp_path, capsys):
+  """A run re-launched at a migrated run's path saves other checkpoints
+  under the same numbers. They are not migrated (verify --source says so),
+  and `migrate --verify` fails without taking away the steps migrated
+  before (the only copy of the first run once its source is gone)."""
+  from clu import checkpoint as clu_checkpoint  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  src, dst = tmp_path / "run", tmp_path / "dst"
+  ckpt = clu_checkpoint.Checkpoint(str(src))
+  for step in (1, 2):
+    ckpt.save(example_state(step))
+  assert cli.main(["migrate", "--verify", str(src), str(dst)]) == 0
+  steps = sorted(p.name for p in dst.iterdir() if p.name.isdigit())
+  shutil.rmtree(src)  # the operator deleted the source on a green light
+  ckpt = clu_checkpoint.Checkpoint(str(src))
+  for step in (1, 2):
+    ckpt.save(example_state(step, scale=2.0))  # the same numbers again
+  code, problems, out = _verify_source_problems(capsys, dst, src)
+  assert code == 1, out
+  assert any("ckpt-1 (not the checkpoint migrated under its number" in p and
+             "ckpt-2 (not the checkpoint" in p for p in problems), problems
+  done = _in_process(capsys, "migrate", "--verify", src, dst)
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert "another checkpoint under the same number" in (
+      done.stdout + done.stderr)
+  assert sorted(p.name for p in dst.iterdir() if p.name.isdigit()) == steps

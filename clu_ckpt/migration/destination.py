@@ -289,8 +289,13 @@ class Manifest:
           "destination, or allow other sources (--allow-other-sources)")
 
   def record(self, source: str, number: int, name: str, step: int, *,
-             kind: str = "", verified: bool = False) -> None:
+             kind: str = "", verified: bool = False,
+             saved_at: Optional[float] = None) -> None:
     """Records a migrated checkpoint and writes the manifest atomically.
+
+    `saved_at` (when the checkpoint was saved, from its source) tells it
+    from another checkpoint saved later under the same number
+    (`same_checkpoint`).
 
     Raises:
       MigrationError: This process lost the root's lease (nothing written).
@@ -303,9 +308,11 @@ class Manifest:
       self.data["sources"].append(entry)
     entry["checkpoints"] = [c for c in entry["checkpoints"]
                             if c["number"] != number]
-    entry["checkpoints"].append({"number": number, "name": name,
-                                 "step": step, "migrated_at": lease_lib.now(),
-                                 "verified": verified})
+    record = {"number": number, "name": name, "step": step,
+              "migrated_at": lease_lib.now(), "verified": verified}
+    if saved_at is not None:
+      record["saved_at"] = saved_at
+    entry["checkpoints"].append(record)
     entry["checkpoints"].sort(key=lambda c: c["number"])
     self.save()
 
@@ -510,6 +517,17 @@ def _other_entries(src: Any) -> list[str]:
   return out
 
 
+def same_checkpoint(record: Mapping[str, Any],
+                    saved_at: Optional[float]) -> bool:
+  """Whether a manifest record is of the checkpoint saved at `saved_at`:
+  not when both times are known and differ (a run re-launched at the same
+  path, or restored to an older checkpoint and trained on, saves another
+  checkpoint under a number already migrated)."""
+  recorded = record.get("saved_at")
+  return (recorded is None or saved_at is None or
+          abs(float(recorded) - float(saved_at)) < 1e-3)
+
+
 def _on_some_hosts(src: Any) -> list[str]:
   """Checkpoints some hosts of a `MultihostCheckpoint` keep, past the one
   save the others may have left unfinished (the number after the newest
@@ -569,6 +587,10 @@ def checkpoints_not_migrated(root: str, source: str
     recorded = read_manifest(root).recorded(src.path)
   except MigrationError:
     recorded = {}
+  other = [c for c in src.checkpoints if c.number in recorded and
+           not same_checkpoint(recorded[c.number], c.saved_at)]
+  recorded = {n: r for n, r in recorded.items()
+              if n not in {c.number for c in other}}
   done = set(recorded)
   naming, steps, _ = orbax_root.read_steps(root)
   held = set(steps)
@@ -577,7 +599,8 @@ def checkpoints_not_migrated(root: str, source: str
              recorded[c.number].get("step") not in held]
   # Steps' metadata only for what the manifest leaves out: on a bucket each
   # read is a round trip.
-  unrecorded = [c for c in src.checkpoints if c.number not in done]
+  unrecorded = [c for c in src.checkpoints
+                if c.number not in done and c not in other]
   for number in steps if unrecorded else ():
     try:
       meta = json.loads(storage.read_bytes(storage.join(
@@ -586,8 +609,11 @@ def checkpoints_not_migrated(root: str, source: str
       continue
     if isinstance(meta, dict) and meta.get("source") == src.path:
       done.add(meta.get("clu_checkpoint_number"))
+  reused = {c.number for c in other}
   return NotMigrated(src.path, [c.name for c in src.checkpoints
-                                if c.number not in done],
+                                if c.number not in done | reused],
                      len(src.checkpoints),
+                     [f"{c.name} (not the checkpoint migrated under its "
+                      "number: saved at another time)" for c in other] +
                      _on_some_hosts(src) + _other_entries(src), removed)
 
