@@ -805,6 +805,13 @@ def test_verify_with_its_source_names_a_save_in_progress(tmp_path, capsys):
   (src / "ckpt-3.flax").rename(src / "ckpt-1.flax.tmp-9")
   code, problems, out = _verify_source_problems(capsys, dst, src)
   assert code == 0, out
+  # States saved by hand, or a checkpoint the state file no longer lists.
+  shutil.copyfile(src / "ckpt-2.flax", src / "best.flax")
+  shutil.copyfile(src / "ckpt-2.flax", src / "ckpt-0.flax")
+  code, problems, out = _verify_source_problems(capsys, dst, src)
+  assert code == 1 and len(problems) == 1, out
+  assert "best.flax, ckpt-0.flax (not a checkpoint the `checkpoint` file " in (
+      problems[0]), problems
 
 
 @pytest.mark.orbax  # migrates

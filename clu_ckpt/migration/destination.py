@@ -497,9 +497,14 @@ def _other_entries(src: Any) -> list[str]:
         continue
       if _CLU_FILE.fullmatch(name):
         number = _FLAX_NUMBER.fullmatch(name)
-        if number and int(number.group(1)) > newest:
-          out.append(f"{relative}{name} (not committed: a save in "
-                     "progress, or a torn one)")
+        if number and int(number.group(1)) not in committed:
+          out.append(f"{relative}{name} (" + (
+              "not committed: a save in progress, or a torn one"
+              if int(number.group(1)) > newest else
+              "not a checkpoint the `checkpoint` file lists") + ")")
+        continue
+      if name.endswith(".flax"):  # a state saved by hand (`best.flax`)
+        out.append(f"{relative}{name}")
         continue
       path = storage.join(directory, name)
       try:
