@@ -858,3 +858,23 @@ def test_a_checkpoint_number_saved_again_is_not_taken_as_migrated(
   assert "another checkpoint under the same number" in (
       done.stdout + done.stderr)
   assert sorted(p.name for p in dst.iterdir() if p.name.isdigit()) == steps
+
+
+@pytest.mark.orbax  # migrates
+def test_verify_of_a_step_migrated_from_a_state_host_compares_that_host(
+    tmp_path, capsys):
+  """Hosts holding different states are migrated with --state-host; the
+  check before deleting (`migrate --verify` as the guide writes it, without
+  --state-host) compared the steps with host 0 and took them away."""
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  base, dst = tmp_path / "mh" / "ckpts", tmp_path / "dst"
+  multihost_save(base, [[example_state(1)], [example_state(1, scale=2.0)]])
+  assert cli.main(["migrate", str(base), str(dst)]) == 1  # hosts differ
+  capsys.readouterr()
+  assert cli.main(["migrate", "--state-host", "1", str(base), str(dst)]) == 0
+  steps = sorted(p.name for p in dst.iterdir() if p.name.isdigit())
+  assert steps
+  done = _in_process(capsys, "migrate", "--verify", base, dst)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert sorted(p.name for p in dst.iterdir() if p.name.isdigit()) == steps

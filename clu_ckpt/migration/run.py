@@ -468,7 +468,16 @@ class _Writer:
                              "its step has been removed since"))
         return result
       if step in existing:
-        self._check_existing(ckpt, step)
+        meta = self._check_existing(ckpt, step)
+        recorded_host = meta.get("state_host")
+        if (verify and isinstance(recorded_host, int) and
+            recorded_host != host and recorded_host in ckpt.prefixes):
+          # Verified against the host it was migrated from (--state-host
+          # then), not against one whose state may differ.
+          handle.close()
+          host = recorded_host
+          handle = flax_format.FlaxFile(ckpt.flax_path(host),
+                                        read_data=False)
         result.status = "skipped"
         self.notify(Progress("skipped", ckpt.number, step, result.nbytes))
       elif not dry_run:
@@ -525,7 +534,9 @@ class _Writer:
             f"({describe_error(cleanup)}): remove it by hand") from e
       raise
 
-  def _check_existing(self, ckpt: plan.SourceCheckpoint, step: int) -> None:
+  def _check_existing(self, ckpt: plan.SourceCheckpoint, step: int
+                      ) -> dict[str, Any]:
+    """The step's migration metadata, when it is of `ckpt`; else raises."""
     meta = self.target.read_metadata(step)
     same = (meta.get("format") == FORMAT and
             meta.get("source") == self.src.path and
@@ -537,6 +548,7 @@ class _Writer:
           f"{meta.get('source')!r} checkpoint "
           f"{meta.get('clu_checkpoint_number')!r}); choose another destination "
           "or --step-naming")
+    return meta
 
 
   def _write(self, ckpt: plan.SourceCheckpoint, step: int, host: int,
