@@ -728,3 +728,153 @@ def test_inspect_a_missing_step_of_a_migrated_root_hints_at_the_mapping(
                                                 mapping.values()])
   assert _in_process(capsys, "inspect", tmp_path / "dst", "--checkpoint",
                      mapping[number]).returncode == 0
+
+
+def _verify_source_problems(capsys, dst, src):
+  done = _in_process(capsys, "verify", dst, "--source", src)
+  return done.returncode, [l for l in done.stdout.splitlines()
+                           if l.startswith("PROBLEM: ")], done.stdout
+
+
+@pytest.mark.orbax  # migrates
+def test_verify_with_its_source_names_steps_saved_in_a_multihost_base(
+    tmp_path, capsys):
+  """A MultihostCheckpoint switched to `layout="orbax"` saves its steps in
+  the base directory itself, which holds no host's files: deleting the
+  source would lose them, and `verify --source` must say so (it said OK)."""
+  from clu_ckpt import checkpoint  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  base, dst = tmp_path / "mh" / "checkpoints", tmp_path / "dst"
+  multihost_save(base, [[example_state(1), example_state(2)]] * 2)
+  assert cli.main(["migrate", str(base), str(dst)]) == 0
+  code, problems, out = _verify_source_problems(capsys, dst, base)
+  assert code == 0, out
+  ckpt = checkpoint.MultihostCheckpoint(str(base), host_id=0, layout="orbax")
+  ckpt.save(ckpt.restore_or_initialize(example_state(0)))
+  steps = sorted(p.name for p in base.iterdir())
+  assert steps, "the Orbax layout saved nothing in the base"
+  code, problems, out = _verify_source_problems(capsys, dst, base)
+  assert code == 1 and len(problems) == 1, out
+  assert all(f"checkpoints/{s}" in problems[0] for s in steps), problems
+  assert "deleting the source would delete them" in problems[0]
+
+
+@pytest.mark.orbax  # migrates
+def test_verify_with_its_source_names_checkpoints_hosts_kept_training_past(
+    tmp_path, capsys, golden_copy):
+  """A job resumed on fewer hosts: the hosts that went on keep checkpoints
+  the others never had. The one number after the newest common checkpoint
+  may be a save the others never finished (not counted); later ones are
+  training, and `verify --source` names them."""
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  base, dst = tmp_path / "mh" / "ckpts", tmp_path / "dst"
+  multihost_save(base, [[example_state(i) for i in (1, 2, 3, 4)]] * 2 +
+                 [[example_state(1)]] * 2)
+  assert cli.main(["migrate", str(base), str(dst)]) == 0
+  code, problems, out = _verify_source_problems(capsys, dst, base)
+  assert code == 1 and len(problems) == 1, out
+  assert "ckpt-3 (kept by some hosts only" in problems[0], problems
+  assert "ckpt-4 (kept by some hosts only" in problems[0], problems
+  assert "ckpt-2 " not in problems[0], problems
+  # A save one host finished and the other did not: no noise.
+  golden = golden_copy("multihost") / "checkpoints"
+  dst2 = tmp_path / "dst2"
+  assert cli.main(["migrate", str(golden), str(dst2)]) == 0
+  code, problems, out = _verify_source_problems(capsys, dst2, golden)
+  assert code == 0, out
+
+
+@pytest.mark.orbax  # migrates
+def test_verify_with_its_source_names_a_save_in_progress(tmp_path, capsys):
+  """CLU writes a checkpoint's `.flax` before TensorFlow's commit: a save
+  in progress (or a torn one) is not in the state file, and deleting the
+  source would lose it."""
+  from migration_helpers import clu_save  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  src, dst = tmp_path / "run", tmp_path / "dst"
+  clu_save(src, [example_state(1), example_state(2)])
+  assert cli.main(["migrate", str(src), str(dst)]) == 0
+  shutil.copyfile(src / "ckpt-2.flax", src / "ckpt-3.flax")
+  code, problems, out = _verify_source_problems(capsys, dst, src)
+  assert code == 1 and len(problems) == 1, out
+  assert "ckpt-3.flax (not committed: a save in progress, or a torn one)" in (
+      problems[0]), problems
+  # Debris of an older torn save is not a checkpoint to keep.
+  (src / "ckpt-3.flax").rename(src / "ckpt-1.flax.tmp-9")
+  code, problems, out = _verify_source_problems(capsys, dst, src)
+  assert code == 0, out
+  # States saved by hand, or a checkpoint the state file no longer lists.
+  shutil.copyfile(src / "ckpt-2.flax", src / "best.flax")
+  shutil.copyfile(src / "ckpt-2.flax", src / "ckpt-0.flax")
+  code, problems, out = _verify_source_problems(capsys, dst, src)
+  assert code == 1 and len(problems) == 1, out
+  assert "best.flax, ckpt-0.flax (not a checkpoint the `checkpoint` file " in (
+      problems[0]), problems
+
+
+@pytest.mark.orbax  # migrates
+def test_a_host_directory_that_is_a_broken_link_is_refused(
+    tmp_path, capsys, golden_copy):
+  """A host directory on a disk not mounted (a broken link) was dropped
+  unseen: the run migrated as one host, verify said OK, and deleting the
+  source orphaned the other host's iterator."""
+  base = golden_copy("multihost") / "checkpoints"
+  host1 = base.parent / "checkpoints-1"
+  shutil.rmtree(host1)
+  host1.symlink_to(tmp_path / "not-mounted" / "host1")
+  done = _in_process(capsys, "migrate", base, tmp_path / "dst")
+  _assert_one_line_error(done, 1, str(host1), "not a directory one can read")
+  assert not (tmp_path / "dst").exists() or not any(
+      p.name.isdigit() for p in (tmp_path / "dst").iterdir())
+
+
+@pytest.mark.orbax  # migrates
+def test_a_checkpoint_number_saved_again_is_not_taken_as_migrated(
+    tmp_path, capsys):
+  """A run re-launched at a migrated run's path saves other checkpoints
+  under the same numbers. They are not migrated (verify --source says so),
+  and `migrate --verify` fails without taking away the steps migrated
+  before (the only copy of the first run once its source is gone)."""
+  from clu import checkpoint as clu_checkpoint  # pylint: disable=g-import-not-at-top
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  src, dst = tmp_path / "run", tmp_path / "dst"
+  ckpt = clu_checkpoint.Checkpoint(str(src))
+  for step in (1, 2):
+    ckpt.save(example_state(step))
+  assert cli.main(["migrate", "--verify", str(src), str(dst)]) == 0
+  steps = sorted(p.name for p in dst.iterdir() if p.name.isdigit())
+  shutil.rmtree(src)  # the operator deleted the source on a green light
+  ckpt = clu_checkpoint.Checkpoint(str(src))
+  for step in (1, 2):
+    ckpt.save(example_state(step, scale=2.0))  # the same numbers again
+  code, problems, out = _verify_source_problems(capsys, dst, src)
+  assert code == 1, out
+  assert any("ckpt-1 (not the checkpoint migrated under its number" in p and
+             "ckpt-2 (not the checkpoint" in p for p in problems), problems
+  done = _in_process(capsys, "migrate", "--verify", src, dst)
+  assert done.returncode == 1, done.stdout + done.stderr
+  assert "another checkpoint under the same number" in (
+      done.stdout + done.stderr)
+  assert sorted(p.name for p in dst.iterdir() if p.name.isdigit()) == steps
+
+
+@pytest.mark.orbax  # migrates
+def test_verify_of_a_step_migrated_from_a_state_host_compares_that_host(
+    tmp_path, capsys):
+  """Hosts holding different states are migrated with --state-host; the
+  check before deleting (`migrate --verify` as the guide writes it, without
+  --state-host) compared the steps with host 0 and took them away."""
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  base, dst = tmp_path / "mh" / "ckpts", tmp_path / "dst"
+  multihost_save(base, [[example_state(1)], [example_state(1, scale=2.0)]])
+  assert cli.main(["migrate", str(base), str(dst)]) == 1  # hosts differ
+  capsys.readouterr()
+  assert cli.main(["migrate", "--state-host", "1", str(base), str(dst)]) == 0
+  steps = sorted(p.name for p in dst.iterdir() if p.name.isdigit())
+  assert steps
+  done = _in_process(capsys, "migrate", "--verify", base, dst)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert sorted(p.name for p in dst.iterdir() if p.name.isdigit()) == steps

@@ -498,6 +498,25 @@ def test_hosts_reached_through_their_directories_with_state_host(tmp_path):
       "ckpt-5", "state of runs/seed-1 (not compared: --state-host)"]
 
 
+def test_a_named_base_migrated_with_state_host_keeps_its_source(tmp_path):
+  """--state-host takes one host's state without comparing the others: a
+  named MultihostCheckpoint whose hosts hold other states loses them if its
+  source is deleted, so the fleet keeps it."""
+  from migration_helpers import example_state  # pylint: disable=g-import-not-at-top
+  from migration_helpers import multihost_save  # pylint: disable=g-import-not-at-top
+  multihost_save(tmp_path / "runs" / "m" / "checkpoints",
+                 [[example_state(1)], [example_state(1, scale=2.0)]])
+  run = _script("--source-glob=runs/*/checkpoints", "--destination-root=o",
+                "--report=r.json", "--state-host=1", cwd=tmp_path)
+  assert run.returncode == 0, run.stderr[-3000:]
+  report = json.loads((tmp_path / "r.json").read_text())
+  (entry,) = report["runs"]
+  assert entry["status"] == "ok", entry
+  assert entry["source_not_migrated"] == [
+      "state of runs/m/checkpoints-0 (not compared: --state-host)"], entry
+  assert report["sources_to_keep"] == ["runs/m/checkpoints"]
+
+
 @pytest.mark.thorough
 def test_a_rerun_finishes_the_fleet(clu_fleet):
   """Once the missing disk is back, a re-run migrates what is left."""

@@ -1280,6 +1280,21 @@ def test_excluded_runs_are_skipped_with_the_pattern(tree):
       (s.path, s.reason) for s in base.skipped]
 
 
+def test_an_excluded_run_is_not_migrated_through_a_link_to_it(tree):
+  """`--exclude` names a run; a link to it (or the run, when the link is
+  excluded) is the same run and is left out too (it was migrated, and
+  reported deletable, through the other name)."""
+  (tree / "runs" / "alias").symlink_to(tree / "runs" / "a")
+  for excluded in ("runs/a", "runs/alias"):
+    plan = fleet_discovery.plan_fleet([], ["runs/*/checkpoints"],
+                                      excludes=[excluded])
+    sources = [os.path.realpath(r.source) for r in plan.runs]
+    assert os.path.realpath(tree / "runs" / "a" / "checkpoints") not in (
+        sources), (excluded, sources)
+    assert any(s.reason == f"excluded (--exclude {excluded})"
+               for s in plan.skipped), plan.skipped
+
+
 @pytest.mark.thorough("runs/**/checkpoints")
 @pytest.mark.parametrize("pattern", ["runs/*/checkpoints",
                                      "runs/**/checkpoints"])

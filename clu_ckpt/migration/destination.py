@@ -289,8 +289,13 @@ class Manifest:
           "destination, or allow other sources (--allow-other-sources)")
 
   def record(self, source: str, number: int, name: str, step: int, *,
-             kind: str = "", verified: bool = False) -> None:
+             kind: str = "", verified: bool = False,
+             saved_at: Optional[float] = None) -> None:
     """Records a migrated checkpoint and writes the manifest atomically.
+
+    `saved_at` (when the checkpoint was saved, from its source) tells it
+    from another checkpoint saved later under the same number
+    (`same_checkpoint`).
 
     Raises:
       MigrationError: This process lost the root's lease (nothing written).
@@ -303,9 +308,11 @@ class Manifest:
       self.data["sources"].append(entry)
     entry["checkpoints"] = [c for c in entry["checkpoints"]
                             if c["number"] != number]
-    entry["checkpoints"].append({"number": number, "name": name,
-                                 "step": step, "migrated_at": lease_lib.now(),
-                                 "verified": verified})
+    record = {"number": number, "name": name, "step": step,
+              "migrated_at": lease_lib.now(), "verified": verified}
+    if saved_at is not None:
+      record["saved_at"] = saved_at
+    entry["checkpoints"].append(record)
     entry["checkpoints"].sort(key=lambda c: c["number"])
     self._write()  # the lease was checked above, before anything changed
 
@@ -411,16 +418,20 @@ class NotMigrated:
   Attributes:
     source: The source's path as discovered (absolute).
     names: The checkpoints ("ckpt-8"), oldest first; [] when all were
-      migrated. (A checkpoint kept on some hosts of a `MultihostCheckpoint`
-      only is a save the other hosts never finished: CLU never restores it,
-      and it is not counted.)
+      migrated. (The checkpoint numbered after the newest one every host of
+      a `MultihostCheckpoint` keeps, kept by some hosts only, is a save the
+      others never finished: CLU never restores it, and it is not counted;
+      later ones some hosts keep are in `entries`.)
     total: How many checkpoints the source keeps.
     entries: Other entries of the source's directories that may hold
       checkpoints the migration does not read, relative to the source:
       subdirectories ("6/": an Orbax step of `Checkpoint(layout="orbax")`;
       "finetune/": a run inside the run) and files named like Flax's
-      (`<prefix><number>`: "checkpoint_10", "ema_10"). Deleting the source
-      deletes them.
+      (`<prefix><number>`: "checkpoint_10", "ema_10"); the entries of a
+      `MultihostCheckpoint`'s base directory ("checkpoints/3/": steps its
+      `layout="orbax"` saved there); `.flax` files newer than every
+      committed checkpoint (a save in progress or a torn one); checkpoints some hosts
+      keep past an unfinished save. Deleting the source deletes them.
     removed: Checkpoints the root's manifest records as migrated whose step
       the root no longer holds ("ckpt-5 (step 4000)"): removed since, by a
       `CheckpointManager`'s `max_to_keep` or by hand. The source holds their
@@ -443,6 +454,8 @@ class NotMigrated:
 # ones): what a migration reads, or debris of an interrupted save.
 _CLU_FILE = re.compile(
     r".+-\d+(\.flax(\.tmp-.*)?|\.index|\.data-\d+-of-\d+|_temp)", re.S)
+# A whole `.flax` file's checkpoint number (a temporary one is no state).
+_FLAX_NUMBER = re.compile(r".+-(\d+)\.flax", re.S)
 # A file named like Flax's `flax.training.checkpoints` files: `<prefix><n>`.
 _FLAX_LIKE = re.compile(r"[^.]*\d", re.S)
 
@@ -455,10 +468,27 @@ def _other_entries(src: Any) -> list[str]:
   """
   taken = {os.path.basename(f) for c in src.checkpoints
            for f in (c.files or {}).values()}
+  # Past every number committed on some host: a save in progress (CLU
+  # writes the `.flax` before TensorFlow's commit) or a torn one.
+  committed = [c.number for c in src.checkpoints] + list(
+      getattr(src, "not_on_all_hosts", []))
+  newest = max(committed, default=0)
   out = []
-  for directory in src.host_directories.values():
+  directories = list(src.host_directories.values())
+  base = layout.normpath(src.path)
+  if base not in {layout.normpath(d) for d in directories}:
+    # A MultihostCheckpoint's base path is no host's: a directory there
+    # holds what `layout="orbax"` saved (every host's steps) or another
+    # run, none of which the migration reads.
+    try:
+      if storage.isdir(src.path):
+        directories.append(src.path)
+    except Exception:  # pylint: disable=broad-except
+      directories.append(src.path)  # cannot tell: listing it will say
+  for directory in directories:
     relative = ("" if layout.normpath(directory) == layout.normpath(
-        src.path) else os.path.basename(directory.rstrip("/")) + "/")
+        src.path) and len(directories) == len(src.host_directories)
+                else os.path.basename(directory.rstrip("/")) + "/")
     try:
       names = sorted(n.rstrip("/") for n in storage.listdir(directory))
     except Exception as e:  # pylint: disable=broad-except
@@ -468,8 +498,18 @@ def _other_entries(src: Any) -> list[str]:
       continue
     for name in names:
       if (name in taken or name == layout.STATE_FILENAME or
-          name.startswith(f"{layout.STATE_FILENAME}.tmp") or
-          _CLU_FILE.fullmatch(name)):
+          name.startswith(f"{layout.STATE_FILENAME}.tmp")):
+        continue
+      if _CLU_FILE.fullmatch(name):
+        number = _FLAX_NUMBER.fullmatch(name)
+        if number and int(number.group(1)) not in committed:
+          out.append(f"{relative}{name} (" + (
+              "not committed: a save in progress, or a torn one"
+              if int(number.group(1)) > newest else
+              "not a checkpoint the `checkpoint` file lists") + ")")
+        continue
+      if name.endswith(".flax"):  # a state saved by hand (`best.flax`)
+        out.append(f"{relative}{name}")
         continue
       path = storage.join(directory, name)
       try:
@@ -485,6 +525,31 @@ def _other_entries(src: Any) -> list[str]:
       elif not name.startswith(".") and _FLAX_LIKE.fullmatch(name):
         out.append(f"{relative}{name}")
   return out
+
+
+def same_checkpoint(record: Mapping[str, Any],
+                    saved_at: Optional[float]) -> bool:
+  """Whether a manifest record is of the checkpoint saved at `saved_at`:
+  not when both times are known and differ (a run re-launched at the same
+  path, or restored to an older checkpoint and trained on, saves another
+  checkpoint under a number already migrated)."""
+  recorded = record.get("saved_at")
+  return (recorded is None or saved_at is None or
+          abs(float(recorded) - float(saved_at)) < 1e-3)
+
+
+def _on_some_hosts(src: Any) -> list[str]:
+  """Checkpoints some hosts of a `MultihostCheckpoint` keep, past the one
+  save the others may have left unfinished (the number after the newest
+  common one): training went on there (a job resumed on fewer hosts), and
+  the migration, which takes what every host keeps, leaves them."""
+  newest = max((c.number for c in src.checkpoints), default=0)
+  prefix = (src.checkpoints[-1].name.rsplit("-", 1)[0] if src.checkpoints
+            else "ckpt")
+  return [f"{prefix}-{n} (kept by some hosts only, past an unfinished save: "
+          "training went on there; not migrated)"
+          for n in sorted(getattr(src, "not_on_all_hosts", []))
+          if n > newest + 1]
 
 
 def checkpoints_not_migrated(root: str, source: str
@@ -532,6 +597,10 @@ def checkpoints_not_migrated(root: str, source: str
     recorded = read_manifest(root).recorded(src.path)
   except MigrationError:
     recorded = {}
+  other = [c for c in src.checkpoints if c.number in recorded and
+           not same_checkpoint(recorded[c.number], c.saved_at)]
+  recorded = {n: r for n, r in recorded.items()
+              if n not in {c.number for c in other}}
   done = set(recorded)
   naming, steps, _ = orbax_root.read_steps(root)
   held = set(steps)
@@ -540,7 +609,8 @@ def checkpoints_not_migrated(root: str, source: str
              recorded[c.number].get("step") not in held]
   # Steps' metadata only for what the manifest leaves out: on a bucket each
   # read is a round trip.
-  unrecorded = [c for c in src.checkpoints if c.number not in done]
+  unrecorded = [c for c in src.checkpoints
+                if c.number not in done and c not in other]
   for number in steps if unrecorded else ():
     try:
       meta = json.loads(storage.read_bytes(storage.join(
@@ -549,7 +619,11 @@ def checkpoints_not_migrated(root: str, source: str
       continue
     if isinstance(meta, dict) and meta.get("source") == src.path:
       done.add(meta.get("clu_checkpoint_number"))
+  reused = {c.number for c in other}
   return NotMigrated(src.path, [c.name for c in src.checkpoints
-                                if c.number not in done],
-                     len(src.checkpoints), _other_entries(src), removed)
+                                if c.number not in done | reused],
+                     len(src.checkpoints),
+                     [f"{c.name} (not the checkpoint migrated under its "
+                      "number: saved at another time)" for c in other] +
+                     _on_some_hosts(src) + _other_entries(src), removed)
 

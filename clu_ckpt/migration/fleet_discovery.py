@@ -841,16 +841,30 @@ def _excluded_by(path: str, excludes: Sequence[str]) -> Optional[str]:
   """The first of `excludes` matching `path` or a directory above it (a
   pattern starting with `**` anywhere; another relative one relative to the
   current directory, as a relative glob is)."""
+  # A link and what it leads to are one run: `--exclude /runs/a` leaves out
+  # `/runs/b` when it is a link to `/runs/a`, and the other way round.
+  for key in _spellings(path):
+    while True:
+      for pattern in excludes:
+        if pattern.startswith("**"):
+          if _matches(key, pattern):
+            return pattern
+        elif any(_matches(key, p) for p in _spellings(pattern)):
+          return pattern
+      parent = parent_path(key)
+      if parent == key or not split_url(parent)[1]:
+        break
+      key = parent
+  return None
+
+
+def _spellings(path: str) -> list[str]:
+  """`path` as named, and, on a local disk, where its links lead."""
   key = _identity(path)
-  while True:
-    for pattern in excludes:
-      if _matches(key, pattern if pattern.startswith("**") else
-                  _identity(pattern)):
-        return pattern
-    parent = parent_path(key)
-    if parent == key or not split_url(parent)[1]:
-      return None
-    key = parent
+  if "://" in key:
+    return [key]
+  real = os.path.realpath(key)
+  return [key] if real == key else [key, real]
 
 
 def _excluded_runs(runs: Mapping[str, Run], excludes: Sequence[str]

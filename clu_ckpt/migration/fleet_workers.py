@@ -180,8 +180,12 @@ class _Worker:
       hosts_only = task.get("through_hosts")
       # Read as hosts, runs of their own lose what only some of them keep,
       # and, with --state-host, the states of the others (not compared).
+      # A named base too: the other hosts' states are not in the step.
+      names = hosts_only or [f"{task['source'].rstrip('/')}-{i}"
+                             for i in summary.hosts]
       unread = [f"state of {h} (not compared: --state-host)"
-                for i, h in enumerate(hosts_only or [])
+                for i, h in zip(summary.hosts if not hosts_only else
+                                range(len(names)), names)
                 if options.get("state_host") not in (None, i)] if (
                     len(summary.hosts) > 1) else []
       if hosts_only and (lacking or unread):
@@ -201,6 +205,13 @@ class _Worker:
           entry["source_not_migrated"] = [
               *(f"ckpt-{n}" for n in lacking if f"ckpt-{n}" not in kept),
               *unread, *kept]
+        elif unread and not summary.dry_run:
+          entry["source_not_migrated"] = [
+              *unread, *entry.get("source_not_migrated", [])]
+          note = (f"{', '.join(unread)}: not in the destination; do not "
+                  "delete the source unless the hosts' states are the same")
+          entry["warning"] = (f"{entry['warning']}; {note}"
+                              if entry.get("warning") else note)
       else:
         entry.update(status="failed", error="; ".join(
             f"ckpt-{s.number}: {s.error}" for s in summary.failed))

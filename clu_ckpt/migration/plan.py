@@ -116,6 +116,7 @@ def discover(source: str, prefix: Optional[str] = None) -> Source:
   else:
     kind, directories = "MultihostCheckpoint", (
         layout.host_directories(path))
+    _refuse_hosts_not_directories(path, directories)
     if not directories:
       flax_prefix = (flax_training.find_prefix(path) if prefix is None
                      else prefix)
@@ -142,6 +143,21 @@ def discover(source: str, prefix: Optional[str] = None) -> Source:
     checkpoints.append(SourceCheckpoint(n, prefixes, saved_at))
   return Source(path, kind, dict(sorted(directories.items())), checkpoints,
                 sorted(every - common))
+
+
+def _refuse_hosts_not_directories(base: str,
+                                  directories: Mapping[int, str]) -> None:
+  """Raises naming a `<base>-<host_id>` entry that is no directory one can
+  read (a link to a disk not mounted): a migration without that host would
+  leave its iterator behind, and verify would call the source migrated."""
+  prefix = f"{layout.normpath(base.rstrip('/'))}-"
+  for entry in storage.glob(f"{storage.glob_escape(prefix)}*"):
+    suffix = entry[len(prefix):]
+    if suffix.isdigit() and int(suffix) not in directories:
+      raise MigrationError(
+          f"{entry}: a host directory of the MultihostCheckpoint {base} that "
+          "is not a directory one can read (a broken link, a disk not "
+          "mounted?); mount it, or move it aside if it is not a host")
 
 
 FLAX_TRAINING_KIND = "flax.training.checkpoints"

@@ -458,6 +458,14 @@ def _check_target(target: orbax_target.Target, destination: str,
                          "target")
 
 
+def _iso(t: Optional[float]) -> str:
+  """A time as the messages show it (UTC), or "an unknown time"."""
+  if t is None:
+    return "an unknown time"
+  return datetime.datetime.fromtimestamp(
+      float(t), datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def _state_host(src: plan.Source, state_host: Optional[int]) -> int:
   return min(src.host_directories) if state_host is None else state_host
 
@@ -531,6 +539,19 @@ class _Writer:
         handle = flax_format.FlaxFile(ckpt.flax_path(host), read_data=False)
       result.nbytes = handle.nbytes
       record = manifest.recorded(self.src.path).get(ckpt.number)
+      if record is not None and not destination_lib.same_checkpoint(
+          record, ckpt.saved_at):
+        # Never skipped as done, never verified against (a verification
+        # would take away the step of the checkpoint recorded: its only
+        # copy when that source is gone).
+        raise MigrationError(
+            f"{ckpt.name} of {self.src.path} was saved at "
+            f"{_iso(ckpt.saved_at)}, but the {ckpt.name} migrated into step "
+            f"{record['step']} of {self.destination} was saved at "
+            f"{_iso(record.get('saved_at'))}: another checkpoint under the "
+            "same number (the run re-launched at this path, or restored to "
+            "an older checkpoint and trained on); migrate it into another "
+            "destination")
       if record is not None and record["step"] in existing:
         # Recorded under another step (the naming chosen now differs: a
         # checkpoint's state changed since): never written again.
@@ -542,7 +563,16 @@ class _Writer:
                              "its step has been removed since"))
         return result
       if step in existing:
-        self._check_existing(ckpt, step)
+        meta = self._check_existing(ckpt, step)
+        recorded_host = meta.get("state_host")
+        if (verify and isinstance(recorded_host, int) and
+            recorded_host != host and recorded_host in ckpt.prefixes):
+          # Verified against the host it was migrated from (--state-host
+          # then), not against one whose state may differ.
+          handle.close()
+          host = recorded_host
+          handle = flax_format.FlaxFile(ckpt.flax_path(host),
+                                        read_data=False)
         result.status = "skipped"
         self.notify(Progress("skipped", ckpt.number, step, result.nbytes))
       elif not dry_run:
@@ -558,7 +588,8 @@ class _Writer:
       if not dry_run and (written or record is None or
                           (verify and not record.get("verified"))):
         manifest.record(self.src.path, ckpt.number, ckpt.name, step,
-                        kind=self.src.kind, verified=result.verified)
+                        kind=self.src.kind, verified=result.verified,
+                        saved_at=ckpt.saved_at)
     except Exception as e:  # pylint: disable=broad-except
       if interrupt.caused_by_interrupt(e):
         # Ctrl-C, turned into another error on its way (e.g. an OSError
@@ -598,7 +629,9 @@ class _Writer:
             f"({describe_error(cleanup)}): remove it by hand") from e
       raise
 
-  def _check_existing(self, ckpt: plan.SourceCheckpoint, step: int) -> None:
+  def _check_existing(self, ckpt: plan.SourceCheckpoint, step: int
+                      ) -> dict[str, Any]:
+    """The step's migration metadata, when it is of `ckpt`; else raises."""
     meta = self.target.read_metadata(step)
     same = (meta.get("format") == FORMAT and
             meta.get("source") == self.src.path and
@@ -610,6 +643,7 @@ class _Writer:
           f"{meta.get('source')!r} checkpoint "
           f"{meta.get('clu_checkpoint_number')!r}); choose another destination "
           "or --step-naming")
+    return meta
 
 
   def _write(self, ckpt: plan.SourceCheckpoint, step: int, host: int,
