@@ -102,7 +102,8 @@ class _Series:
     while not self._stop.is_set():
       self.points.append((round(time.perf_counter() - start, 2),
                           round((_rss_anon() - self.base) / 2**20, 1)))
-      time.sleep(self.period)
+      # Woken at once by the stop: its join is not timed with the method.
+      self._stop.wait(self.period)
 
   def __enter__(self):
     self._thread.start()
@@ -406,7 +407,9 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   staging.upload_step = timed_upload
   # The phases on this clock: the step's write starts (setup before it:
   # planning, the lock, the manifest), the source's last array arrives,
-  # Orbax's local write ends (the uploader's finish starts).
+  # Orbax's local write ends (the uploader's finish starts), the staged
+  # step's write returns (`step_end`: its staging area removed), the
+  # manifest's record starts and ends.
   write_step = orbax_target.OrbaxTarget.write_step
   fetch_ahead = orbax_target._fetch_ahead  # pylint: disable=protected-access
   finish = staging.StepUploader.finish
@@ -423,6 +426,25 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
     phases["local_end"] = time.perf_counter()
     return finish(self)
 
+  save_staged = orbax_target.OrbaxTarget._save_staged  # pylint: disable=protected-access
+  from clu_ckpt.migration import destination  # pylint: disable=g-import-not-at-top
+  record = destination.Manifest.record
+
+  def timed_save_staged(self, *args, **kwargs):
+    try:
+      return save_staged(self, *args, **kwargs)
+    finally:  # the staging area removed
+      phases["step_end"] = time.perf_counter()
+
+  def timed_record(self, *args, **kwargs):
+    phases.setdefault("record_start", time.perf_counter())
+    try:
+      return record(self, *args, **kwargs)
+    finally:
+      phases["record_end"] = time.perf_counter()
+
+  orbax_target.OrbaxTarget._save_staged = timed_save_staged  # pylint: disable=protected-access
+  destination.Manifest.record = timed_record
   orbax_target.OrbaxTarget.write_step = timed_write_step
   orbax_target._fetch_ahead = timed_fetch  # pylint: disable=protected-access
   staging.StepUploader.finish = timed_finish
@@ -445,7 +467,8 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   if failed:
     raise RuntimeError(f"migration failed: {failed}")
   result = {"seconds": time.perf_counter() - start,
-            "extra_rss": peak.peak - base, "rss_series": series.points}
+            "extra_rss": peak.peak - base, "rss_series": series.points,
+            "thread_cpu": _thread_cpu()}
   if "write_end" in phases:
     result.update(write_s=phases["write_end"] - start,
                   upload_s=phases["upload_end"] - phases["write_end"],
@@ -454,6 +477,25 @@ def _child_migrate(src: str, dst: str, window_mib: str = "") -> dict:
   result["phases"] = {k: round(v - start, 3) for k, v in phases.items()
                       if k != "staged_bytes"}
   return result
+
+
+def _thread_cpu() -> dict:
+  """CPU seconds of this process' live threads by name (`comm`): where
+  the cores went (TensorStore's pools name their threads; Python's are
+  all `python`)."""
+  out: dict = {}
+  for task in os.listdir("/proc/self/task"):
+    try:
+      with open(f"/proc/self/task/{task}/stat") as f:
+        text = f.read()
+    except OSError:
+      continue
+    name = text[text.index("(") + 1:text.rindex(")")]
+    fields = text.rsplit(")", 1)[1].split()
+    seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    name = re.sub(r"[0-9]+$", "", name)
+    out[name] = round(out.get(name, 0.0) + seconds, 2)
+  return out
 
 
 _CHILDREN = {"link": _child_link, "ceiling": _child_link,

@@ -14,9 +14,13 @@ answers for the length of one operation, in this thread or task only:
   read by `read_bytes` or spooled is downloaded whole once and every later
   read of it is served from memory, with its metadata (at most
   `OBJECT_CACHE_BYTES` in all, least recently used dropped first); a write
-  or removal of that object through `fsspec_fs` forgets it. For objects
-  nobody writes while the block runs (a migration's source), never for
-  objects others write (a lock, a destination).
+  or removal of that object through `fsspec_fs` forgets it. The listings
+  and metadata of everything under `under` (not under `but_not`) are kept
+  for the whole block too, whatever is written elsewhere meanwhile (a
+  listing also answers for the metadata of the objects it lists); a write
+  under `under` through `fsspec_fs` forgets them. For objects nobody writes
+  while the block runs (a migration's source), never for objects others
+  write (a lock, a destination).
 
 Outside these blocks nothing is cached, so other processes' writes are seen
 at once. Blocks nest: the outermost one keeps the objects, and an inner
@@ -38,6 +42,7 @@ import collections
 import contextlib
 import contextvars
 import re
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 from clu_ckpt import errors
@@ -145,13 +150,27 @@ class _Objects:
     # not a sibling that merely starts with its name (`<under>2/`).
     self.under = re.compile(re.escape(under.rstrip("/")) + r"(?:-[0-9]+)?/")
     self.but_not = [but_not.rstrip("/") + "/"] if but_not else []
+    self.root = under.rstrip("/")
+    # `under` and what is below it: the prefixes whose metadata is kept.
+    self.tree = re.compile(re.escape(under.rstrip("/")) + r"(?:-[0-9]+)?(?:/|$)")
+    # Metadata answers under `under`, kept for the block (see `cached`).
+    self.meta: dict = {}
+    # A thread given the block's context (a migration's prefetch) may use
+    # it beside the caller.
+    self._mutex = threading.RLock()
     self.held = 0
     self._items: "collections.OrderedDict[str, tuple[dict, bytes]]" = (
         collections.OrderedDict())
 
   def excludes(self, key: str) -> bool:
-    """Whether `key` is under one of the excluded prefixes."""
-    return any(key.startswith(prefix) for prefix in self.but_not)
+    """Whether `key` is under one of the excluded prefixes (or is one)."""
+    return any(key.startswith(prefix) or key == prefix[:-1]
+               for prefix in self.but_not)
+
+  def keeps_metadata(self, key: str) -> bool:
+    """Whether the metadata of `key` (a URL) is kept for the block."""
+    key = key.rstrip("/")
+    return self.tree.match(key) is not None and not self.excludes(key)
 
   @contextlib.contextmanager
   def excluding(self, but_not: str) -> Iterator[None]:
@@ -169,25 +188,35 @@ class _Objects:
       self.but_not.remove(prefix)
 
   def get(self, key: str) -> Optional[tuple[dict, bytes]]:
-    item = self._items.get(key)
-    if item is not None:
-      self._items.move_to_end(key)
-    return item
+    with self._mutex:
+      item = self._items.get(key)
+      if item is not None:
+        self._items.move_to_end(key)
+      return item
 
   def put(self, key: str, info: dict, data: bytes) -> None:
-    self.forget(key)
-    if len(data) > self.limit:
-      return
-    self._items[key] = (info, data)
-    self.held += len(data)
-    while self.held > self.limit:
-      _, (_, old) = self._items.popitem(last=False)
-      self.held -= len(old)
+    with self._mutex:
+      self._drop(key)
+      if len(data) > self.limit:
+        return
+      self._items[key] = (info, data)
+      self.held += len(data)
+      while self.held > self.limit:
+        _, (_, old) = self._items.popitem(last=False)
+        self.held -= len(old)
 
   def forget(self, key: str, *, tree: bool = False) -> None:
-    for k in [k for k in self._items
-              if k == key or tree and k.startswith(key.rstrip("/") + "/")]:
-      self.held -= len(self._items.pop(k)[1])
+    with self._mutex:
+      if not key or self.keeps_metadata(key) or tree and (
+          self.root.startswith(key.rstrip("/") + "/")):
+        self.meta.clear()  # a write under the kept tree (or anywhere: "")
+      self._drop(key, tree=tree)
+
+  def _drop(self, key: str, *, tree: bool = False) -> None:
+    with self._mutex:
+      for k in [k for k in self._items
+                if k == key or tree and k.startswith(key.rstrip("/") + "/")]:
+        self.held -= len(self._items.pop(k)[1])
 
 
 def cached_object(key: str) -> Optional[tuple[dict, bytes]]:
@@ -216,8 +245,45 @@ def forget(key: str = "", *, tree: bool = False) -> None:
   if cache is not None:
     cache.clear()
   objects = _OBJECTS.get()
-  if objects is not None and key:
+  if objects is not None:
     objects.forget(key, tree=tree)
+
+
+def _cache_for(path: str) -> Optional[dict]:
+  """The metadata cache that applies to `path`: an `object_cache` block's
+  for its source tree, else a `metadata_cache` block's, else None."""
+  objects = _OBJECTS.get()
+  if objects is not None and objects.keeps_metadata(path):
+    return objects.meta
+  return _METADATA.get()
+
+
+def remember(scheme: str, name: str, path: str, value: Any,
+             ok: bool = True) -> None:
+  """Keeps what `name(path)` answers (or raises: `ok` False), if a cache
+  applies to `path`: what a listing tells of the objects it lists."""
+  cache = _cache_for(path)
+  if cache is not None:
+    cache.setdefault((scheme, name, path.rstrip("/")), (ok, value))
+
+
+def parent_listing(scheme: str, path: str) -> Optional[list[str]]:
+  """The names a kept listing of `path`'s directory holds, when the same
+  cache applies to `path` (the listing then answers whether it exists);
+  else None."""
+  parent = path.rstrip("/").rpartition("/")[0]
+  cache = _cache_for(path)
+  if not parent or cache is None or _cache_for(parent) is not cache:
+    return None
+  listed = cache.get((scheme, "listdir", parent))
+  return listed[1] if listed is not None and listed[0] else None
+
+
+def recalled(scheme: str, name: str, path: str) -> Optional[tuple]:
+  """(ok, answer) kept for `name(path)`, or None."""
+  cache = _cache_for(path)
+  return None if cache is None else cache.get(
+      (scheme, name, path.rstrip("/")))
 
 
 def cached(method: Callable) -> Callable:
@@ -227,7 +293,7 @@ def cached(method: Callable) -> Callable:
   """
 
   def wrapper(self: Any, path: str) -> Any:
-    cache = _METADATA.get()
+    cache = _cache_for(path)
     if cache is None:
       return method(self, path)
     key = (self._scheme, method.__name__, path.rstrip("/"))
@@ -235,6 +301,13 @@ def cached(method: Callable) -> Callable:
       try:
         cache[key] = (True, method(self, path))
       except (FileNotFoundError, errors.NotRegularFileError) as e:
+        objects = _OBJECTS.get()
+        if (isinstance(e, FileNotFoundError) and objects is not None and
+            cache is objects.meta):
+          # Kept for the whole run: what exists, never what does not (a
+          # name may appear meanwhile; only a kept listing says it is not
+          # there, and a write under the run forgets it).
+          raise
         cache[key] = (False, e)
     ok, value = cache[key]
     if not ok:

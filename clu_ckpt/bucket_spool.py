@@ -227,7 +227,7 @@ class SparseSpool:
     """The parts of [start, end) not fetched yet."""
     start, end = max(0, start), min(end, self.size)
     out = []
-    for s, e in self._have:
+    for s, e in self._have:  # (a list replaced whole, never changed)
       if e <= start:
         continue
       if s >= end:
@@ -257,6 +257,12 @@ class SparseSpool:
       OSError: A read failed or the object changed; the local copy could
         not be written (a full `$TMPDIR`).
     """
+    if all(self.has(start, end) for start, end in ranges):
+      # Already here: no wait for another caller's fetch under way (a
+      # read-ahead downloading later ranges holds the lock meanwhile).
+      # `_have` is replaced whole, never changed in place: a consistent
+      # list without the lock.
+      return
     with self._lock:
       todo = []
       for start, end in sorted(ranges):

@@ -204,22 +204,50 @@ class FsspecFileSystem(filesystem.FileSystem):
 
   @_cached
   def listdir(self, path: str) -> list[str]:
+    """The names in the directory `path`; inside a cache block the listing
+    also answers for the metadata of the objects it lists."""
     key = self._key(path).rstrip("/")
     with self._naming(path):
-      entries = self.fs.ls(key, detail=False)
-    names = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries
-             if e.rstrip("/") != key}
+      entries = self.fs.ls(key, detail=True)
+    names, files, prefixes = set(), set(), set()
+    for entry in entries:
+      name = str(entry.get("name", "")).strip("/")
+      if name == key.strip("/") or not name:
+        continue
+      base = name.rsplit("/", 1)[-1]
+      names.add(base)
+      if entry.get("type") == "file":
+        files.add(base)
+        bucket_cache.remember(self._scheme, "_asked_info",
+                              f"{path.rstrip('/')}/{base}", dict(entry))
+      elif entry.get("type") == "directory":
+        prefixes.add(base)
+    for base in prefixes - files:  # a prefix, and no object of that name
+      url = f"{path.rstrip('/')}/{base}"
+      bucket_cache.remember(
+          self._scheme, "_asked_info", url,
+          errors.NotRegularFileError(url, "a directory (a prefix)"), ok=False)
     return sorted(n for n in names if n)
 
   @_cached
   def glob(self, pattern: str) -> list[str]:
     """The objects and prefixes matching `pattern`, sorted.
 
+    A pattern with wildcards in its last component only, in a directory
+    whose listing a cache block keeps, is answered from that listing.
+
     Raises:
       FileNotFoundError: The bucket does not exist; it names the directory
         searched (the pattern up to its first wildcard's component), not
         the pattern, which is the caller's, not the user's.
     """
+    directory, _, last = pattern.rstrip("/").rpartition("/")
+    if directory and not re.search(r"[*?\[]", directory):
+      listed = bucket_cache.recalled(self._scheme, "listdir", directory)
+      if listed is not None and listed[0]:
+        import fnmatch  # pylint: disable=g-import-not-at-top
+        return sorted(f"{directory}/{n}" for n in listed[1]
+                      if fnmatch.fnmatchcase(n, last))
     with self._naming(_searched(pattern)):
       found = self.fs.glob(self._key(pattern))
     return sorted(self._url(p) for p in found)
@@ -295,6 +323,11 @@ class FsspecFileSystem(filesystem.FileSystem):
       NotRegularFileError: Only a prefix is there.
     """
     key = self._key(path)
+    listed = bucket_cache.parent_listing(self._scheme, path)
+    if (listed is not None and split_url(path)[2] and
+        path.rstrip("/").rpartition("/")[2] not in listed):
+      # Its directory's listing is kept and does not name it.
+      raise FileNotFoundError(2, os.strerror(2), path)
     get_object = getattr(self.fs, "_get_object", None)
     with self._naming(path):
       if get_object is not None and getattr(self.fs, "loop", None):
@@ -302,6 +335,14 @@ class FsspecFileSystem(filesystem.FileSystem):
         try:
           info = fsspec.asyn.sync(self.fs.loop, get_object, key)
         except FileNotFoundError:
+          own = bucket_cache.recalled(self._scheme, "listdir", path)
+          if own is not None:
+            # Its own listing is kept: a prefix if it lists anything
+            # (found nothing: `own` holds the FileNotFoundError).
+            if own[0] and own[1]:
+              raise errors.NotRegularFileError(
+                  path, "a directory (a prefix)") from None
+            raise
           info = self.fs.info(key)  # a prefix, or nothing: say which
       else:
         info = self.fs.info(key)

@@ -130,7 +130,8 @@ def test_metadata_is_asked_once_per_block_and_afresh_outside(bucket):
       assert bucket.listdir("gs://bk/run/") == ["a", "b"]  # the same key
       assert bucket.glob("gs://bk/run/*") == ["gs://bk/run/a",
                                                "gs://bk/run/b"]
-    assert bucket.store.calls == {"info": 1, "ls": 1, "glob": 1}, (
+    # The glob of a listed directory is answered by its listing.
+    assert bucket.store.calls == {"info": 1, "ls": 1}, (
         bucket.store.calls)
   bucket.store.calls.clear()
   assert bucket.exists(url) and bucket.listdir("gs://bk/run") == ["a", "b"]
@@ -591,3 +592,70 @@ def test_a_ranged_fetch_or_a_time_asked_that_fails_names_the_object(
       bucket.stat(url)  # the metadata kept: the time is what is asked
   assert (type(raised.value), raised.value.filename) == (OSError, url)
   assert asked == ["bk/run/ckpt-1.flax"]
+
+
+# -- a run's metadata, kept for an object_cache block --------------------------
+
+
+def test_a_runs_metadata_is_kept_whatever_is_written_elsewhere(bucket):
+  for name in ("run/a", "run/b", "run/dst/x", "other/y"):
+    _put(bucket, name, b"0123456789")
+  with bucket_cache.object_cache("gs://bk/run", but_not="gs://bk/run/dst"):
+    assert bucket.listdir("gs://bk/run") == ["a", "b", "dst"]
+    # The listing answers for what it lists, and for what it does not.
+    assert bucket.stat("gs://bk/run/a")[0] == 10
+    assert bucket.exists("gs://bk/run/b") and not bucket.isdir("gs://bk/run/b")
+    assert not bucket.exists("gs://bk/run/c")
+    assert bucket.glob("gs://bk/run/*") == [
+        "gs://bk/run/a", "gs://bk/run/b", "gs://bk/run/dst"]
+    assert bucket.store.calls == {"ls": 1}, bucket.store.calls
+    bucket.store.calls.clear()
+    # Writes elsewhere (the destination, even inside the run) keep them.
+    with bucket.atomic_writer("gs://bk/run/dst/z") as write:
+      write(b"z")
+    bucket.create_exclusive("gs://bk/other/lock", b"l")
+    bucket.store.calls.clear()  # (the writes' own calls)
+    assert bucket.listdir("gs://bk/run") == ["a", "b", "dst"]
+    assert bucket.exists("gs://bk/run/a")
+    assert not bucket.store.calls, bucket.store.calls
+    # The destination is asked each time: others write there.
+    for _ in range(2):
+      assert bucket.exists("gs://bk/run/dst/z")
+      assert bucket.exists("gs://bk/run/dst")
+    assert bucket.store.calls["info"] == 4, bucket.store.calls
+    # A write under the run forgets what was kept of it.
+    with bucket.atomic_writer("gs://bk/run/c") as write:
+      write(b"c")
+    bucket.store.calls.clear()
+    assert bucket.exists("gs://bk/run/c")
+    assert bucket.listdir("gs://bk/run") == ["a", "b", "c", "dst"]
+    assert bucket.store.calls == {"info": 1, "ls": 1}, bucket.store.calls
+  bucket.store.calls.clear()
+  assert bucket.exists("gs://bk/run/a")  # outside the block: asked again
+  assert bucket.store.calls == {"info": 1}, bucket.store.calls
+
+
+def test_a_listing_answers_a_name_in_its_directory_only_in_its_own_block(
+    bucket):
+  _put(bucket, "run/a", b"a")
+  with bucket_cache.metadata_cache():
+    assert bucket.listdir("gs://bk/run") == ["a"]
+    assert not bucket.exists("gs://bk/run/new")  # from the listing
+    assert bucket.store.calls == {"ls": 1}, bucket.store.calls
+  _put(bucket, "run/new", b"n")  # another process writes it meanwhile
+  with bucket_cache.metadata_cache():
+    assert bucket.exists("gs://bk/run/new")  # a new block asks afresh
+  assert bucket.store.calls["info"] == 1, bucket.store.calls
+
+
+def test_a_listing_answers_for_its_prefixes(bucket):
+  # A step directory of a listed root is known to be one without asking
+  # (an object and a prefix of one name: test_fsspec_fs, on the emulators).
+  for name in ("root/7/a", "root/8/a", "root/9"):
+    _put(bucket, name, b"x")
+  with bucket_cache.metadata_cache():
+    assert bucket.listdir("gs://bk/root") == ["7", "8", "9"]
+    bucket.store.calls.clear()
+    assert bucket.isdir("gs://bk/root/7") and bucket.exists("gs://bk/root/8")
+    assert not bucket.isdir("gs://bk/root/9")
+    assert not bucket.store.calls, bucket.store.calls

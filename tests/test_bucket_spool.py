@@ -506,3 +506,31 @@ def test_a_dropped_spool_leaves_no_open_file(bucket):
   assert view[-1] == (100_000 - 1) % 251
   del spool, view
   assert spools_open() == before
+
+
+def test_bytes_already_here_do_not_wait_for_another_callers_fetch(bucket):
+  # The migration's read-ahead fetches later arrays while the writer asks
+  # for one already here: the writer goes on at once.
+  url, data = _object(bucket, 100_000)
+  spool = bucket.spool(url)
+  spool.ensure([(0, 1000)])
+  bucket.store.hold = threading.Event()  # reads wait until it is set
+  try:
+    other = threading.Thread(target=spool.ensure, args=([(50_000, 60_000)],))
+    other.start()
+    deadline = time.monotonic() + 30
+    while bucket.store.in_flight == 0 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert bucket.store.in_flight == 1  # the other fetch is under way
+    here = threading.Event()
+    asker = threading.Thread(
+        target=lambda: (spool.ensure([(0, 1000)]), here.set()))
+    asker.start()
+    assert here.wait(30), "waited for another caller's fetch"
+    assert other.is_alive() and bucket.store.in_flight == 1
+  finally:
+    bucket.store.hold.set()
+  other.join(30)
+  asker.join(30)
+  assert bytes(spool.map[50_000:60_000]) == data[50_000:60_000]
+  assert spool.requests == 2

@@ -648,3 +648,27 @@ def test_prefixes_exist_and_a_listing_leaves_out_the_directory(bucket_store,
     bucket_store.fs().call_s3("put_object", Bucket=bucket, Key=key, Body=b"")
   assert storage.listdir(f"{root}/d") == ["a"]
   assert storage.listdir(root) == ["d"]
+
+
+def test_a_listing_kept_answers_as_the_store_does(root):
+  # Inside a metadata block a listing answers for the names it lists; an
+  # object and a prefix of one name stay the object, as the store says.
+  for name in ("7/a", "9", "obj"):
+    with storage.atomic_writer(f"{root}/{name}") as write:
+      write(b"x")
+  try:
+    with storage.atomic_writer(f"{root}/9/a") as write:
+      write(b"x")
+  except OSError:
+    pass  # fake-gcs-server's file store cannot hold both (moto can)
+  outside = {n: (storage.exists(f"{root}/{n}"), storage.isdir(f"{root}/{n}"))
+             for n in ("7", "9", "obj", "none")}
+  assert outside == {"7": (True, True), "9": (True, False),
+                     "obj": (True, False), "none": (False, False)}
+  with storage.metadata_cache():
+    assert storage.listdir(root) == ["7", "9", "obj"]
+    inside = {n: (storage.exists(f"{root}/{n}"),
+                  storage.isdir(f"{root}/{n}"))
+              for n in ("7", "9", "obj", "none")}
+    assert storage.stat(f"{root}/9")[0] == 1
+  assert inside == outside

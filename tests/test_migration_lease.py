@@ -310,6 +310,9 @@ def test_a_stale_lock_is_taken_over_under_a_marker_of_its_bytes(
     tmp_path, monkeypatch, caplog):
   monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
   root, path, marker = _stale_thief(tmp_path)
+  claims = []  # what the marker held when it was claimed
+  _on_claim(monkeypatch, path,
+            lambda: claims.append(json.loads(storage.read_bytes(marker))))
   with caplog.at_level(logging.INFO):
     held = lease_lib.Lease.acquire(root, path)
   taking = [r.getMessage() for r in caplog.records
@@ -321,13 +324,14 @@ def test_a_stale_lock_is_taken_over_under_a_marker_of_its_bytes(
   try:
     record = json.loads(storage.read_bytes(path))
     assert record == held.record
-    assert json.loads(storage.read_bytes(marker)) == {
-        k: held.record[k] for k in ("host", "pid", "since", "token")}
+    assert not storage.exists(marker)  # removed once the lock was ours
+    assert claims == [{k: held.record[k] for k in
+                       ("host", "pid", "since", "token")}]
     lease_lib.ensure_held(root)
   finally:
     held.release()
   assert not storage.exists(path)
-  assert storage.exists(marker)  # kept: a late contender cannot claim again
+  assert not storage.exists(marker)  # removed once the lock was ours
 
 
 def test_a_lock_fresh_by_its_modification_time_is_not_taken_over(
@@ -367,12 +371,15 @@ def test_a_dead_claimant_is_stepped_over_to_a_marker_all_derive(
   key = marker.rsplit("-", 1)[1]
   second = path + lease_lib.TAKEOVER_INFIX + hashlib.sha256(
       key.encode("ascii") + _claim("dead", 9)).hexdigest()[:16]
+  claimed = []  # (marker, its token) as each was claimed
+  _on_claim(monkeypatch, path, lambda: claimed.append(
+      (second, json.loads(storage.read_bytes(second))["token"])))
   held = lease_lib.Lease.acquire(root, path)
   try:
     assert json.loads(storage.read_bytes(path))["token"] == (
         held.record["token"])
-    assert json.loads(storage.read_bytes(second))["token"] == (
-        held.record["token"])
+    assert claimed == [(second, held.record["token"])]
+    assert not storage.exists(second)  # ours, removed once the lock was
     assert storage.read_bytes(marker) == _claim("dead", 9)
   finally:
     held.release()
@@ -464,7 +471,7 @@ def test_a_marker_gone_while_looked_at_starts_over(tmp_path, monkeypatch):
   held = lease_lib.Lease.acquire(root, path)
   try:
     assert json.loads(read_bytes(path)) == held.record
-    assert json.loads(read_bytes(marker))["token"] == held.record["token"]
+    assert not storage.exists(marker)  # ours, removed once the lock was
   finally:
     held.release()
 
@@ -818,3 +825,24 @@ def test_a_bad_lease_length_is_refused_naming_the_variable(monkeypatch, text):
   assert str(raised.value) == (
       f"CLU_CKPT_LOCK_LEASE_SECONDS={text!r}: expected a positive number of "
       "seconds")
+
+
+def test_a_late_contender_finds_the_taken_over_lock_changed(tmp_path,
+                                                           monkeypatch):
+  """After a takeover its marker is gone; a contender that read the stale
+  lock before it was replaced claims the marker anew, finds the lock
+  changed, and leaves it to the new holder."""
+  monkeypatch.setenv(lease_lib.LEASE_ENV, "60")
+  root, path, marker = _stale_thief(tmp_path)
+  stale = storage.read_bytes(path)
+  held = lease_lib.Lease.acquire(root, path)
+  try:
+    assert not storage.exists(marker)
+    late = lease_lib.Lease(root, path, 60.0)
+    with pytest.raises(errors.DestinationLockedError) as raised:
+      late._take_over(stale)  # pylint: disable=protected-access
+    assert f"pid {os.getpid()}" in str(raised.value)  # names the holder
+    assert json.loads(storage.read_bytes(path)) == held.record
+    lease_lib.ensure_held(root)
+  finally:
+    held.release()

@@ -335,3 +335,161 @@ def test_a_signal_during_the_upload_leaves_nothing_listed(gcs, tmp_path, how):
   assert all(n.startswith("7/") or n.startswith("clu_ckpt_manifest")
              for n in names), names
   assert not set(left) & set(names)  # the killed run's objects are gone
+
+
+def _file_kvstores(spec) -> list[dict]:
+  """The `file` key-value stores of a TensorStore spec (JSON)."""
+  found = []
+  if isinstance(spec, dict):
+    if spec.get("driver") == "file":
+      found.append(spec)
+    for key in ("kvstore", "base", "manifest"):
+      found += _file_kvstores(spec.get(key))
+  return found
+
+
+def test_a_staged_step_is_not_fsynced_and_a_local_one_is(gcs, tmp_path,
+                                                         monkeypatch):
+  # The staged files are temporary (committed by their upload): TensorStore
+  # writes them without fsync. A local destination keeps it (durability).
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  import tensorstore  # pylint: disable=g-import-not-at-top
+  bucket = gcs.bucket()
+  state = _state(2)
+  source = _checkpoint_run(gcs, bucket, "run", state)
+  opened = []
+  real_open = tensorstore.open
+
+  def recording(spec, *args, **kwargs):
+    opened.append(spec.to_json() if hasattr(spec, "to_json") else spec)
+    return real_open(spec, *args, **kwargs)
+
+  monkeypatch.setattr(tensorstore, "open", recording)
+  destination = f"gs://{bucket}/orbax"
+  target = orbax_target.OrbaxTarget(destination, staging_dir=str(tmp_path))
+  assert migration.migrate(source, destination, target=target).ok
+  assert target.last_write_staged
+  # The state's arrays (the dataset's few bytes go through Orbax's own).
+  staged = [kv for spec in opened for kv in _file_kvstores(spec)
+            if "/state." in kv["path"]]
+  assert staged, opened  # the arrays went through the local file driver
+  assert all(kv.get("file_io_sync") is False for kv in staged), staged
+  with ocp_manager(destination) as mngr:
+    got = mngr.restore(7)["state"]["params"]["kernel"]
+  assert np.asarray(got).tobytes() == state["params"]["kernel"].tobytes()
+
+  opened.clear()
+  local = tmp_path / "local"
+  assert migration.migrate(source, str(local)).ok
+  written = [kv for spec in opened for kv in _file_kvstores(spec)
+             if "/state" in kv["path"]]
+  assert written, opened
+  assert all(kv.get("file_io_sync", True) is not False for kv in written)
+
+
+def ocp_manager(root):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  return ocp.CheckpointManager(root)
+
+
+# The round trips of a one-checkpoint gs:// -> gs:// migration (8 arrays
+# of 1 MiB, its iterator files), counted at a proxy: before the step's
+# first upload (planning, the lock, the manifest, the destination's
+# listing, the leftovers' removal) and after its commit (the manifest, the
+# lock's release). Before they were cut: 53 and 5.
+SETUP_REQUESTS = 30
+TAIL_REQUESTS = 4
+
+
+def test_a_bucket_migration_asks_few_questions_before_and_after_its_step(
+    gcs, tmp_path, monkeypatch):
+  import link_proxy  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  from clu_ckpt import storage  # pylint: disable=g-import-not-at-top
+  bucket = gcs.bucket()
+  rng = np.random.default_rng(5)
+  state = {"step": np.int64(7), "params": {
+      f"w{i}": rng.standard_normal(2**18).astype(np.float32)
+      for i in range(8)}}
+  source = _checkpoint_run(gcs, bucket, "run", state)
+  destination = f"gs://{bucket}/orbax"
+  sent = []  # (url, start, end) of each staged upload
+  put = staging._put  # pylint: disable=protected-access
+
+  def recording(local_path, url, data=None):
+    start = time.monotonic()
+    put(local_path, url, data)
+    sent.append((url, start, time.monotonic()))
+
+  monkeypatch.setattr(staging, "_put", recording)
+  with link_proxy.LinkProxy(gcs.port) as proxy:
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    storage._INSTANCES.pop("gs", None)  # pylint: disable=protected-access
+    try:
+      storage.filesystem(destination).fs  # pylint: disable=expression-not-assigned
+      proxy.reset()
+      summary = migration.migrate(source, destination,
+                                  staging_dir=str(tmp_path))
+      times = list(proxy.request_times)
+      lines = list(proxy.request_lines)
+      assert orbax_root.list_steps(destination) == ([7], [])
+    finally:
+      storage._INSTANCES.pop("gs", None)  # pylint: disable=protected-access
+  assert summary.ok, summary.failed
+  first = min(start for _, start, _ in sent)
+  commit = [end for url, _, end in sent if url.endswith(
+      f"/7/{staging.COMMIT_FILE}")]
+  assert len(commit) == 1, sent
+  setup = [line for t, line in zip(times, lines) if t < first]
+  tail = [line for t, line in zip(times, lines) if t > commit[0]]
+  assert len(setup) <= SETUP_REQUESTS, (len(setup), setup)
+  assert len(tail) <= TAIL_REQUESTS, (len(tail), tail)
+  # The source's `.flax` and iterator files are each downloaded whole once
+  # (beside the `.flax`'s first MiB, read while planning).
+  downloads = [line for line, rng in lines if "alt=media" in line and
+               "/run%2F" in line and rng is None]
+  assert len(downloads) == len(set(downloads)), downloads
+
+
+def test_a_killed_runs_leftovers_are_gone_before_anything_goes_up(
+    gcs, tmp_path, monkeypatch):
+  # The leftovers' removal runs beside the local write; no file of the step
+  # may go up before it has ended (it would remove what went up). Here the
+  # removal waits for an upload to start (up to 5 s): one that starts is a
+  # failure, none starting is the contract.
+  from clu_ckpt import migration  # pylint: disable=g-import-not-at-top
+  bucket = gcs.bucket()
+  state = _state(8)
+  source = _checkpoint_run(gcs, bucket, "run", state)
+  destination = f"gs://{bucket}/orbax"
+  fs = gcs.fs()
+  key = destination.split("://", 1)[1]
+  fs.pipe_file(f"{key}/7/state/d/leftover", b"x" * 100)  # no commit file
+  events = []
+  uploading = threading.Event()
+  put = staging._put  # pylint: disable=protected-access
+
+  def recording_put(local_path, url, data=None):
+    events.append(("put", url))
+    uploading.set()
+    put(local_path, url, data)
+
+  remove = orbax_target.OrbaxTarget._remove_remote_partial  # pylint: disable=protected-access
+
+  def slow_remove(self, step):
+    uploading.wait(5)  # an upload that does not wait for us shows here
+    remove(self, step)
+    events.append(("removed", step))
+
+  monkeypatch.setattr(staging, "_put", recording_put)
+  monkeypatch.setattr(orbax_target.OrbaxTarget, "_remove_remote_partial",
+                      slow_remove)
+  assert migration.migrate(source, destination,
+                           staging_dir=str(tmp_path)).ok
+  assert events[0] == ("removed", 7), events[:3]
+  assert orbax_root.list_steps(destination) == ([7], [])
+  names = _objects(gcs, destination)
+  assert "7/state/d/leftover" not in names
+  with ocp_manager(destination) as mngr:
+    got = mngr.restore(7)["state"]["params"]["kernel"]
+  assert np.asarray(got).tobytes() == state["params"]["kernel"].tobytes()

@@ -314,7 +314,7 @@ class Manifest:
       record["saved_at"] = saved_at
     entry["checkpoints"].append(record)
     entry["checkpoints"].sort(key=lambda c: c["number"])
-    self.save()
+    self._write()  # the lease was checked above, before anything changed
 
   def forget(self, source: str, number: int) -> None:
     """Drops a checkpoint's record (its step failed verification).
@@ -330,7 +330,7 @@ class Manifest:
     kept = [c for c in entry["checkpoints"] if c["number"] != number]
     if len(kept) != len(entry["checkpoints"]):
       entry["checkpoints"] = kept
-      self.save()
+      self._write()  # the lease was checked above
 
   def save(self) -> None:
     """Replaces the manifest file atomically.
@@ -344,6 +344,11 @@ class Manifest:
       OSError: The manifest could not be written (names it).
     """
     lease_lib.ensure_held(self.root)
+    self._write()
+
+  def _write(self) -> None:
+    """Writes the manifest atomically; the caller has just checked the
+    lease (one read of the lock per write, not two)."""
     data = json.dumps(self.data, indent=1).encode("utf-8")
     with storage.atomic_writer(self.path) as write:
       write(data)

@@ -19,13 +19,15 @@ of a `gs://` or `s3://` root for the whole of a migration:
 - A stale lock is taken over by whoever first creates (exclusively) the
   marker `<lock>.takeover-<sha256(stale bytes)[:16]>`: only that process,
   after checking the lock still holds those bytes, rewrites it; the others
-  report it held (by the marker's writer). Markers are kept for
-  `MARKER_KEEP_LEASES` stale periods, then removed by the next holder:
-  removed at once, a contender that read the stale lock just before it was
-  replaced could create the marker again and overwrite the new holder. A
-  marker whose own claimant died before rewriting the lock is stepped over
-  once it is itself stale (to a marker named from the hash of both, which
-  every contender derives alike).
+  report it held (by the marker's writer). The winner removes its marker
+  once the lock holds its own bytes (and has been read back): a contender
+  that read the stale lock before it was replaced may then claim the marker
+  again, but it checks the lock still holds those stale bytes before
+  writing, finds it changed, and stops. A marker whose own claimant died
+  before rewriting the lock is stepped over once it is itself stale (to a
+  marker named from the hash of both, which every contender derives
+  alike); such markers are removed by a later holder once older than
+  `MARKER_KEEP_LEASES` stale periods.
 - The holder whose lease lapses (no successful rewrite for a whole lease, by
   its own clock: before anyone may judge it stale) or whose token was
   replaced has lost the lock: `ensure_held` (called by the manifest before
@@ -350,7 +352,23 @@ class Lease:
     holder = _parse_holder(_read_or_none(self.path))
     if holder.get("token") != self.record["token"]:
       raise self._locked(holder)
+    self._drop_claim(marker)
     return True
+
+  def _drop_claim(self, marker: str) -> None:
+    """Removes our takeover marker once the lock holds our bytes.
+
+    The lock never holds the stale bytes again, and a claimant checks that
+    it does after claiming (`_take_over`): a late contender that claims the
+    marker anew finds the lock changed and stops. So the marker is of no
+    more use: it goes now, not `MARKER_KEEP_LEASES` stale periods later.
+    """
+    try:
+      storage.remove(marker)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("%s: could not remove the takeover marker %s (%s); "
+                      "the next holder removes it later", self.root, marker,
+                      e)
 
   def _clean_markers(self) -> None:
     """Removes takeover markers older than `MARKER_KEEP_LEASES` leases."""

@@ -44,10 +44,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import math
 import os
+import threading
 from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
@@ -135,6 +137,15 @@ STAGED_READ_AHEAD = True
 # Measured (bench_buckets.py, migrate@o1 against migrate@o1a8, 480 MiB, 3
 # runs): 4 in flight 12.23 s, 8 in flight 10.11 s (2.24x / 2.71x naive).
 STAGED_READ_AHEAD_STREAMS = 8
+# A staged step's local files are written without fsync (TensorStore's
+# `file_io_sync` off for its OCDBT data and manifest files): they are
+# temporary, read back from the page cache by the upload, and the step is
+# committed by its upload, whose commit file goes up last; a crash loses the
+# staging directory, never a committed step. The bytes written are the same.
+# Measured (480 MiB written locally with the staged step's settings, 2 runs
+# each, load 6-7): 4.48 / 4.70 s with fsync, 2.79 / 3.11 s without, for
+# the same CPU time (~2 s): the write waited for the disk.
+STAGED_FILE_SYNC = False
 
 # The oldest orbax-checkpoint the migration writes with: its `NumpyHandler`
 # takes `deepcopy_host_arrays` from 0.12.5 on (before, it deep-copies every
@@ -386,17 +397,27 @@ class OrbaxTarget(Target):
     """
     require_orbax()
     commit_nsecs = _commit_nsecs(saved_at)
-    self.remove_partial(step)
     custom = None if custom_metadata is None else dict(custom_metadata)
     self.last_write_staged = self._stages(items)
+    cleared = None
+    if self.last_write_staged:
+      # What a killed run left of the step in the bucket is removed while
+      # the step is written locally (its round trips off the path): the
+      # uploader sends nothing of the step before that has ended.
+      self._remove_local_partial()
+      cleared = _started(self._remove_remote_partial, step)
+    else:
+      self.remove_partial(step)
     try:
       if self.last_write_staged:
         self._save_staged(step, items, on_bytes, commit_nsecs, custom,
-                          standard_state)
+                          standard_state, cleared)
       else:
         self._save(step, items, on_bytes, commit_nsecs, custom,
                    standard_state)
     except BaseException:
+      if cleared is not None:
+        concurrent.futures.wait([cleared])
       self.remove_partial(step)
       raise
 
@@ -420,18 +441,22 @@ class OrbaxTarget(Target):
                    on_bytes: Callable[[int], None],
                    commit_nsecs: Optional[int],
                    custom_metadata: Optional[dict[str, Any]],
-                   standard_state: bool = False) -> None:
+                   standard_state: bool = False,
+                   cleared: Optional[concurrent.futures.Future] = None
+                   ) -> None:
     """Orbax's save into a local staging area, its data files uploaded as
     they are written (`staging.StepUploader`, `staging.upload_streams()` at
     a time), the rest after it, the step's `commit_success.txt` last, as
-    Orbax commits a step on GCS."""
+    Orbax commits a step on GCS. `cleared`: the removal of what a killed
+    run left of the step in the bucket, which every upload waits for."""
     from clu_ckpt.migration import staging  # pylint: disable=g-import-not-at-top
     area = staging.StagingArea(self.staging_dir)
     self._areas.add(area)
     name = self.step_name(step)
     with area:
       uploader = staging.StepUploader(area.path, name,
-                                      storage.join(self.root, name))
+                                      storage.join(self.root, name),
+                                      ready=cleared)
       if staging.OVERLAP:
         uploader.start()
       try:
@@ -465,7 +490,9 @@ class OrbaxTarget(Target):
                              self.inflight_bytes, on_bytes,
                              stage=not self.use_compression,
                              read_ahead_all=(root != self.root and
-                                             STAGED_READ_AHEAD)))
+                                             STAGED_READ_AHEAD),
+                             file_sync=(root == self.root or
+                                        STAGED_FILE_SYNC)))
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     registry.add(STATE_ITEM, ocp.args.PyTreeSave, state_handler)
     registry.add(DATASET_ITEM, ocp.args.PyTreeSave,
@@ -509,8 +536,14 @@ class OrbaxTarget(Target):
     """Removes Orbax's temporary directories of `step`, and on GCS (where
     the step is written under its final name) the step's directory when it
     has no `commit_success.txt`."""
+    self._remove_local_partial()
+    self._remove_remote_partial(step)
+
+  def _remove_local_partial(self) -> None:
     for area in list(self._areas):  # a staged write's local files
       area.remove()
+
+  def _remove_remote_partial(self, step: int) -> None:
     # Through the storage seam: an entry that is a symlink is unlinked, its
     # target never touched.
     if not storage.isdir(self.root):
@@ -854,10 +887,12 @@ def check_private_api(handler_cls: Any = None) -> Callable[..., Any]:
 
 
 def _type_handlers(inflight_bytes: int, on_bytes: Callable[[int], None],
-                   stage: bool = True, read_ahead_all: bool = False):
+                   stage: bool = True, read_ahead_all: bool = False,
+                   file_sync: bool = True):
   """Orbax's standard type handlers, numpy arrays written in bounded slices
   (unaligned ones staged first when `stage`; every array read ahead in a
-  thread when `read_ahead_all`: see `_bounded_numpy_handler`)."""
+  thread when `read_ahead_all`; local files not fsynced unless `file_sync`:
+  see `_bounded_numpy_handler`)."""
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   th = ocp.type_handlers
@@ -866,7 +901,7 @@ def _type_handlers(inflight_bytes: int, on_bytes: Callable[[int], None],
       (float, th.ScalarHandler()),
       (np.number, th.ScalarHandler()),
       (np.ndarray, _bounded_numpy_handler(inflight_bytes, on_bytes, stage,
-                                          read_ahead_all)),
+                                          read_ahead_all, file_sync)),
       (jax.Array, th.get_type_handler(jax.Array)),
       (str, th.StringHandler()),
   )
@@ -942,7 +977,8 @@ async def _write_slice(t: Any, value: np.ndarray, start: int,
 
 def _bounded_numpy_handler(inflight_bytes: int,
                            on_bytes: Callable[[int], None],
-                           stage: bool = True, read_ahead_all: bool = False):
+                           stage: bool = True, read_ahead_all: bool = False,
+                           file_sync: bool = True):
   """A `NumpyHandler` that hands TensorStore a bounded number of bytes.
 
   Orbax's handler deep-copies every array, then gives all of them to
@@ -971,6 +1007,9 @@ def _bounded_numpy_handler(inflight_bytes: int,
       writer): for a step staged locally (`staging`), whose writes do not
       wait for a link. The bytes go to the source's spool (a file), not to
       process memory.
+    file_sync: Whether TensorStore fsyncs the local files it writes (its
+      `file_io_sync`); False for a staged step's temporary files
+      (`STAGED_FILE_SYNC`, `without_file_sync`). The files are the same.
 
   Returns:
     The handler.
@@ -989,6 +1028,8 @@ def _bounded_numpy_handler(inflight_bytes: int,
       # compressed chunks, the uploads), whatever the window. Here an array
       # larger than half the window goes in slices of whole chunks.
       import tensorstore as ts  # pylint: disable=g-import-not-at-top
+      if not file_sync:
+        tspec = without_file_sync(tspec)
       t = await ts.open(ts.Spec(tspec), create=True, open=True,
                         context=ts_context)
       slice_bytes = (inflight_bytes // 2 if SLICE_BYTES is None else
@@ -1049,6 +1090,50 @@ def _bounded_numpy_handler(inflight_bytes: int,
           ahead.stop()
 
   return BoundedNumpyHandler()
+
+
+def _started(function: Callable[..., Any], *args: Any
+             ) -> concurrent.futures.Future:
+  """`function(*args)` running in a thread of its own: its future."""
+  future: concurrent.futures.Future = concurrent.futures.Future()
+
+  def run() -> None:
+    if not future.set_running_or_notify_cancel():
+      return
+    try:
+      future.set_result(function(*args))
+    except BaseException as e:  # pylint: disable=broad-except
+      future.set_exception(e)
+
+  threading.Thread(target=run, daemon=True,
+                   name="clu_ckpt-remove-partial").start()
+  return future
+
+
+def without_file_sync(tspec: Mapping[str, Any]) -> dict[str, Any]:
+  """`tspec` with TensorStore's `file_io_sync` off for its local files.
+
+  The `file` key-value stores of the array's spec (OCDBT's `base` and
+  `manifest`, or the array's own) get `"file_io_sync": false`: TensorStore
+  then writes the same bytes without fsyncing them. Other drivers (a
+  bucket) are left as they are.
+
+  Example::
+
+    without_file_sync({"kvstore": {"driver": "file", "path": "/s/"}})
+    # {"kvstore": {"driver": "file", "path": "/s/", "file_io_sync": False}}
+  """
+
+  def walk(spec: Any) -> Any:
+    if not isinstance(spec, Mapping):
+      return spec
+    out = {k: walk(v) if k in ("kvstore", "base", "manifest") else v
+           for k, v in spec.items()}
+    if out.get("driver") == "file":
+      out["file_io_sync"] = False
+    return out
+
+  return walk(tspec)
 
 
 def _fetch_ahead(value: Any) -> None:

@@ -245,10 +245,12 @@ def migrate(source: str,
     except (OSError, flax_format.FlaxFormatError) as e:
       results[ckpt.number] = StepResult(ckpt.number, None, "failed",
                                         error=describe_error(e))
+  ahead = None
   try:
-    numbered = orbax_root.saved_by_checkpoint(
-        destination, step_prefix=step_prefix,
-        step_format_fixed_length=step_format_fixed_length)
+    with _destination_answers(destination):
+      numbered = orbax_root.saved_by_checkpoint(
+          destination, step_prefix=step_prefix,
+          step_format_fixed_length=step_format_fixed_length)
     naming, mapping = plan.name_steps(
         usable, steps, step_naming,
         numbered_root=destination if numbered else None)
@@ -264,17 +266,23 @@ def migrate(source: str,
           staging_dir=staging_dir)
     writer = _Writer(src, target, naming, mapping, state_host, notify,
                      template)
+    # The first bucket checkpoint's headers (and iterator files) are read
+    # while the destination is locked and listed: both are round trips.
+    ahead = _Prefetch.start(src, usable, handles, state_host)
     with _locked(destination, dry_run):
-      manifest = destination_lib.read_manifest(destination)
-      existing = writer.existing_steps()
-      manifest.check_source(
-          src.path, allow_other_sources=allow_other_sources,
-          foreign_steps=writer.foreign_steps(existing, manifest))
+      with _destination_answers(destination):
+        manifest = destination_lib.read_manifest(destination)
+        existing = writer.existing_steps()
+        manifest.check_source(
+            src.path, allow_other_sources=allow_other_sources,
+            foreign_steps=writer.foreign_steps(existing, manifest))
       for ckpt in usable:
         try:
+          handle = handles.pop(ckpt.number, None)
+          if handle is None and ahead is not None:
+            handle = ahead.take(ckpt.number)
           results[ckpt.number] = writer.run(
-              ckpt, handles.pop(ckpt.number, None), existing, manifest,
-              dry_run, verify)
+              ckpt, handle, existing, manifest, dry_run, verify)
         except KeyboardInterrupt as e:
           results[ckpt.number] = StepResult(
               ckpt.number, mapping.get(ckpt.number), "interrupted",
@@ -284,7 +292,81 @@ def migrate(source: str,
   finally:
     for handle in handles.values():
       handle.close()
+    if ahead is not None:
+      ahead.close()
   return _summary(src, destination, naming, chosen, results, dry_run)
+
+
+class _Prefetch:
+  """Opens a bucket checkpoint's `.flax` (its headers: one ranged read per
+  large array, each depending on the last) and reads its iterator files,
+  in a thread, while the caller does other round trips; `take` hands the
+  handle over (None if opening failed: the caller opens it again and
+  reports why)."""
+
+  def __init__(self, src: plan.Source, ckpt: plan.SourceCheckpoint,
+               host: int):
+    import contextvars  # pylint: disable=g-import-not-at-top
+    self.number = ckpt.number
+    self._handle: Optional[flax_format.FlaxFile] = None
+    self._path = ckpt.flax_path(host)
+    self._ckpt = ckpt
+    self._taken = False
+    # In the caller's context: the run's source objects and metadata kept
+    # (`storage.caching_source_objects`) are shared with it.
+    context = contextvars.copy_context()
+    self._thread = threading.Thread(target=context.run, args=(self._run,),
+                                    daemon=True, name="clu_ckpt-prefetch")
+    self._thread.start()
+
+  @classmethod
+  def start(cls, src: plan.Source, usable: list[plan.SourceCheckpoint],
+            handles: Mapping[int, Any], state_host: Optional[int]
+            ) -> Optional["_Prefetch"]:
+    """The prefetch of the first of `usable` not open yet, if in a bucket."""
+    if not usable or usable[0].number in handles:
+      return None
+    host = _state_host(src, state_host)
+    if storage.is_local(usable[0].flax_path(host)):
+      return None
+    return cls(src, usable[0], host)
+
+  def _run(self) -> None:
+    try:
+      self._handle = flax_format.FlaxFile(self._path, read_data=False)
+      self._read_iterator_files()
+    except Exception:  # pylint: disable=broad-except
+      pass  # said again, with its context, when the writer opens it
+
+  def _read_iterator_files(self) -> None:
+    """Reads the checkpoint's small TensorFlow files, which the run keeps
+    (`bucket_cache.SMALL_OBJECT_BYTES`; larger ones are left to the
+    writer, which reads them once)."""
+    from clu_ckpt import bucket_cache  # pylint: disable=g-import-not-at-top
+    for prefix in self._ckpt.prefixes.values():
+      directory, _, base = prefix.rpartition("/")
+      for name in storage.listdir(directory):  # the run's kept listing
+        if name.startswith(base + ".") and (
+            name.endswith(".index") or ".data-" in name):
+          path = storage.join(directory, name)
+          if storage.stat(path)[0] <= bucket_cache.SMALL_OBJECT_BYTES:
+            storage.read_bytes(path)
+
+  def take(self, number: int) -> Optional[flax_format.FlaxFile]:
+    """The handle of checkpoint `number` (once), or None."""
+    if number != self.number or self._taken:
+      return None
+    self._thread.join()
+    self._taken = True
+    handle, self._handle = self._handle, None
+    return handle
+
+  def close(self) -> None:
+    """Closes the handle if it was never taken."""
+    self._thread.join()
+    if self._handle is not None:
+      self._handle.close()
+      self._handle = None
 
 
 def _with_plan(notify: ProgressFn, count: int,
@@ -328,6 +410,19 @@ def _interrupted(src: plan.Source, destination: str, naming: str,
   remaining = [c.number for c in chosen if c.number not in done]
   return MigrationInterrupted(
       _summary(src, destination, naming, chosen, done, dry_run), remaining)
+
+
+@contextlib.contextmanager
+def _destination_answers(destination: str):
+  """A block in which a bucket destination is listed once (its manifest,
+  its steps and its lock answered from that listing: one round trip, not
+  one or three per question); nothing is kept after it. For reads only: a
+  write through `storage` in the block forgets what was kept."""
+  with storage.metadata_cache():
+    if not storage.is_local(destination):
+      with contextlib.suppress(OSError):
+        storage.listdir(destination)
+    yield
 
 
 def _locked(destination: str, dry_run: bool):

@@ -70,6 +70,12 @@ SINGLE_REQUEST_BYTES = 32 * 2**20
 OVERLAP = True
 POLL_SECONDS = 0.1
 SETTLE_SECONDS = 0.3
+# Files up to this size (Orbax's metadata, OCDBT's manifests and small data
+# files) go up SMALL_FILE_STREAMS at a time beside the larger ones: each holds
+# little memory, and at a step's end they are most of its files, each a
+# round trip.
+SMALL_FILE_BYTES = 2**20
+SMALL_FILE_STREAMS = 32
 # Free space the staging directory must have beyond the step's bytes.
 SPACE_MARGIN_BYTES = 256 * 2**20
 # The subdirectories of a staging directory: PREFIX<pid>-<random>.
@@ -289,7 +295,8 @@ def upload_step(local_step: str, url: str, *,
   if gone:  # written early, then replaced: not part of the step
     client = storage.filesystem(url).fs
     client.rm([f"{url.split('://', 1)[1]}/{n}" for n in gone])
-  _upload_all(local_step, url, todo, width, on_file)
+  _upload_all(local_step, url, todo, width, on_file,
+              small={n for n in todo if stats[n].st_size <= SMALL_FILE_BYTES})
   _upload_one(local_step, url, COMMIT_FILE, on_file)
   return total
 
@@ -318,20 +325,26 @@ def _upload_one(local_root: str, url: str, name: str,
 
 
 def _upload_all(local_root: str, url: str, names: list[str], width: int,
-                on_file: Optional[Callable[[str, int], None]]) -> None:
-  """Uploads `names`, `width` at a time; the first failure is raised once
-  the uploads under way have ended (no more start)."""
+                on_file: Optional[Callable[[str, int], None]],
+                small: Optional[set[str]] = None) -> None:
+  """Uploads `names`, `width` at a time, and those in `small` beside them
+  `SMALL_FILE_STREAMS` at a time; the first failure is raised once the
+  uploads under way have ended (no more start)."""
   if not names:
     return
-  pool = concurrent.futures.ThreadPoolExecutor(
-      width, thread_name_prefix="clu_ckpt-staged-upload")
+  small = small or set()
+  pools = [concurrent.futures.ThreadPoolExecutor(
+      n, thread_name_prefix="clu_ckpt-staged-upload")
+           for n in (width, max(width, SMALL_FILE_STREAMS))]
   try:
-    futures = [pool.submit(_upload_one, local_root, url, n, on_file)
-               for n in names]
+    futures = [pools[name in small].submit(_upload_one, local_root, url,
+                                           name, on_file)
+               for name in names]
     for future in concurrent.futures.as_completed(futures):
       future.result()
   finally:
-    pool.shutdown(wait=True, cancel_futures=True)
+    for pool in pools:
+      pool.shutdown(wait=True, cancel_futures=True)
 
 
 class StepUploader:
@@ -349,11 +362,16 @@ class StepUploader:
     step_name: The step's directory name.
     url: The step's URL in the bucket.
     streams: Files in flight at once; None: `upload_streams()`.
+    ready: What must end before anything of the step is sent (the removal
+      of what a killed run left of it in the bucket); its error, if any,
+      is raised by `finish` and nothing is sent.
   """
 
   def __init__(self, area: str, step_name: str, url: str,
-               streams: Optional[int] = None):
+               streams: Optional[int] = None,
+               ready: Optional[concurrent.futures.Future] = None):
     self.area, self.step_name, self.url = area, step_name, url.rstrip("/")
+    self._ready = ready
     self._pending: set[str] = set()
     self.streams = streams or upload_streams()
     self.uploaded: dict[str, tuple[int, int]] = {}
@@ -404,6 +422,8 @@ class StepUploader:
         self._seen[remote] = key
 
   def _send(self, local: str, remote: str, key: tuple[int, int]) -> None:
+    if self._ready is not None:
+      self._ready.result()  # raises its error: nothing is sent
     # Orbax may have renamed the temporary directories since: the file is
     # then under the step's final name (if neither, `finish` decides).
     final = os.path.join(self.area, self.step_name, *remote.split("/"))
@@ -427,6 +447,8 @@ class StepUploader:
     """
     self._stop_watching()
     try:
+      if self._ready is not None:
+        self._ready.result()
       for future in self._futures:
         future.result()
     finally:
