@@ -493,3 +493,62 @@ def test_a_killed_runs_leftovers_are_gone_before_anything_goes_up(
   with ocp_manager(destination) as mngr:
     got = mngr.restore(7)["state"]["params"]["kernel"]
   assert np.asarray(got).tobytes() == state["params"]["kernel"].tobytes()
+
+
+def test_data_files_written_during_the_step_go_up_early_whole_and_once(
+    gcs, tmp_path, monkeypatch):
+  """While Orbax writes, each settled data file (`d/`) goes up at once,
+  under the step's final name, with all its bytes (a large one streamed
+  in blocks); `finish` sends the rest, not those again, and commits last.
+  A lock or temporary file is not sent while the step is written."""
+  monkeypatch.setattr(staging, "SETTLE_SECONDS", 0)
+  monkeypatch.setattr(staging, "SINGLE_REQUEST_BYTES", 2**20)
+  sent = []
+  real_put = staging._put  # pylint: disable=protected-access
+
+  def counting_put(local, url, data=None):
+    sent.append(url)
+    return real_put(local, url, data)
+
+  monkeypatch.setattr(staging, "_put", counting_put)
+  rng = np.random.default_rng(5)
+  area, url = tmp_path / "area", f"gs://{gcs.bucket()}/root/7"
+  tmp = area / "7.orbax-checkpoint-tmp-123"
+  data_dir = tmp / "state" / "ocdbt.process_0" / "d"
+  data_dir.mkdir(parents=True)
+  big = rng.bytes(20 * 2**20 + 5)  # 3 blocks of 8 MiB, streamed
+  small = rng.bytes(1000)
+  (data_dir / ("a" * 32)).write_bytes(big)
+  (data_dir / ("b" * 32)).write_bytes(small)
+  (data_dir / ("c" * 32)).write_bytes(b"")  # empty: sent by finish
+  (data_dir / "x.lock").write_bytes(b"lock")
+  (tmp / "state" / "manifest.ocdbt").write_bytes(b"manifest")
+  uploader = staging.StepUploader(str(area), "7", url, streams=2)
+  uploader._poll()  # pylint: disable=protected-access
+  uploader._poll()  # pylint: disable=protected-access  (settled: sent)
+  uploader._poll()  # pylint: disable=protected-access  (under way: not again)
+  for future in uploader._futures:  # pylint: disable=protected-access
+    future.result()
+  early = {f"state/ocdbt.process_0/d/{n * 32}" for n in "ab"}
+  assert set(uploader.uploaded) == early, uploader.uploaded
+  assert _objects(gcs, url) == sorted(early)  # nothing committed yet
+  # Orbax commits the step locally (TensorStore's lock gone): its final
+  # name, its commit file.
+  (data_dir / "x.lock").unlink()
+  tmp.rename(area / "7")
+  (area / "7" / "_CHECKPOINT_METADATA").write_bytes(b"{}")
+  (area / "7" / "commit_success.txt").write_bytes(b"done")
+  uploader.finish()
+  fs = gcs.fs()
+  key = url.split("://", 1)[1]
+  objects = _objects(gcs, url)
+  assert objects == sorted([
+      "_CHECKPOINT_METADATA", "commit_success.txt", "state/manifest.ocdbt",
+      *early, f"state/ocdbt.process_0/d/{'c' * 32}"]), objects
+  base = area / "7"
+  for name in objects:
+    if name != "commit_success.txt":  # Orbax's text on GCS, naming the URL
+      assert fs.cat_file(f"{key}/{name}") == (base / name).read_bytes(), name
+  assert fs.cat_file(f"{key}/commit_success.txt").endswith(key.encode())
+  assert sorted(sent) == sorted(set(sent)), sent  # each file sent once
+  assert sent[-1] == f"{url}/commit_success.txt"
