@@ -85,8 +85,9 @@ def add_migrate_options(container: Any, exclude: Sequence[str] = ()
       "memory; default 128, 16 for a gs:// destination)")
   add(container, "--staging-dir", metavar="DIR",
       help="gs:// destination: write each step here first, then upload "
-      "it by many streams at once (default $CLU_CKPT_STAGING_DIR, else "
-      "the system's temporary directory)")
+      "it by many streams at once (named here or by $CLU_CKPT_STAGING_DIR: "
+      "every step; else steps of about 1 GiB or more, in the system's "
+      "temporary directory)")
   add(container, "--step-prefix", metavar="PREFIX",
       help="name steps <PREFIX>_<step>, as CheckpointManagerOptions"
       "(step_prefix=PREFIX) does")
