@@ -329,32 +329,30 @@ def _name_unmigrated_checkpoints(root: str, source: str,
   left = destination.checkpoints_not_migrated(root, source)
   if left is None or not left.anything:
     return  # unreadable: verify_orbax_root has said why
-  missing = left.names
-  if missing:
-    shown = ", ".join(missing[:10]) + (
-        f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+  if left.names:
     result["problems"].append(
-        f"{left.source}: {len(missing)} of {left.total} checkpoint(s) "
-        f"not migrated into {root} ({shown}): deleting the source would "
-        f"lose them; `clu-ckpt migrate {source} {root}` migrates them")
+        f"{left.source}: {len(left.names)} of {left.total} checkpoint(s) "
+        f"not migrated into {root} ({_first_ten(left.names)}): deleting the "
+        f"source would lose them; `clu-ckpt migrate {source} {root}` "
+        "migrates them")
   if left.removed:
-    shown = ", ".join(left.removed[:10]) + (
-        f" and {len(left.removed) - 10} more" if len(left.removed) > 10
-        else "")
     result["problems"].append(
         f"{left.source}: {len(left.removed)} checkpoint(s) migrated into "
-        f"{root} whose step it no longer holds ({shown}; removed since, by a "
-        "CheckpointManager's max_to_keep or by hand): the source holds their "
-        "only copy and deleting it would lose them")
+        f"{root} whose step it no longer holds ({_first_ten(left.removed)}; "
+        "removed since, by a CheckpointManager's max_to_keep or by hand): the "
+        "source holds their only copy and deleting it would lose them")
   if left.entries:
-    shown = ", ".join(left.entries[:10]) + (
-        f" and {len(left.entries) - 10} more" if len(left.entries) > 10
-        else "")
     result["problems"].append(
-        f"{left.source}: also holds {shown}, which the migration did not "
-        "read (Orbax steps, other runs, Flax files, directories): deleting "
-        "the source would delete them; move or migrate them first")
+        f"{left.source}: also holds {_first_ten(left.entries)}, which the "
+        "migration did not read (Orbax steps, other runs, Flax files, "
+        "directories): deleting the source would delete them; move or "
+        "migrate them first")
   result["ok"] = False
+
+
+def _first_ten(names: list[str]) -> str:
+  return ", ".join(names[:10]) + (
+      f" and {len(names) - 10} more" if len(names) > 10 else "")
 
 
 # --------------------------------------------------------------------------
