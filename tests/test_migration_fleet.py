@@ -1371,3 +1371,24 @@ def test_an_unreadable_flax_like_file_is_an_error_not_a_skip(tmp_path):
       "<name>-<N>.flax)",
       "cannot migrate runs/p: cannot read model_3 (Permission denied): "
       "whether it is a Flax checkpoint cannot be told"], result.stdout
+
+
+def test_orbax_era_directories_are_skipped_saying_what_they_hold(tmp_path):
+  """A directory of Orbax steps (a root, a MultihostCheckpoint base saved
+  with `layout="orbax"`, Flax's Orbax `checkpoint_<n>/` directories) is no
+  run of this migration, but checkpoints: its skip says so, so that it is
+  not taken for something the fleet covered."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  with ocp.CheckpointManager(str(tmp_path / "runs" / "o" / "checkpoints")) as m:
+    m.save(3, args=ocp.args.StandardSave({"w": np.arange(2)}))
+    m.wait_until_finished()
+  (tmp_path / "runs" / "f" / "checkpoints" / "checkpoint_10").mkdir(
+      parents=True)
+  (tmp_path / "runs" / "e" / "checkpoints").mkdir(parents=True)
+  plan = fleet_discovery.plan_fleet([], [f"{tmp_path}/runs/*/checkpoints"])
+  reasons = dict((Path(p).parent.name, r) for p, r in _summary(plan)[1])
+  assert "Orbax-era checkpoint directories (3: " in reasons["o"], reasons
+  assert "(checkpoint_10: " in reasons["f"], reasons
+  assert "keep it" in reasons["o"] and "keep it" in reasons["f"]
+  assert reasons["e"] == "empty directory", reasons

@@ -261,6 +261,27 @@ def classify(entries: "Optional[Mapping[str, int]] | Unlistable") -> str:
   return EMPTY if not entries else OTHER
 
 
+# Directories of the Orbax era: a step (`3`, `step_0003`), Flax's Orbax
+# checkpoints (`checkpoint_10/`).
+_ORBAX_STEP_DIR_RE = re.compile(r"^(?:[^.]*_)?\d+$")
+
+
+def _orbax_era(entries: "Optional[Mapping[str, int]] | Unlistable") -> str:
+  """What a skipped directory says when it holds Orbax-era checkpoint
+  directories: checkpoints, but not what this migration reads (not to be
+  taken for something the fleet covered)."""
+  if not isinstance(entries, Mapping):
+    return ""
+  steps = sorted(n for n, size in entries.items()
+                 if size < 0 and _ORBAX_STEP_DIR_RE.match(n))
+  if not steps:
+    return ""
+  return (f"; it holds Orbax-era checkpoint directories ({', '.join(steps[:3])}"
+          f"{', ...' if len(steps) > 3 else ''}: an Orbax root, Flax's Orbax "
+          "checkpoints, or a MultihostCheckpoint's layout=\"orbax\" steps), "
+          "which this migration does not read: not migrated, keep it")
+
+
 _NUMBERED_FILE_RE = re.compile(r"^[^.]*\D\d+$")
 _FLAX_NAME_RE = re.compile(r"^(?P<prefix>[^.]*\D)\d+$")
 # The first byte of a msgpack map (a Flax state): fixmap, map 16, map 32.
@@ -749,9 +770,9 @@ def plan_pattern(pattern: str, candidates: Mapping[str, Entries],
           f"cannot read {name} ({why}){more}: whether it is a Flax "
           "checkpoint cannot be told")))
     elif explicit:
-      runs.append(Run(path, kind, error=_REASONS[kind]))
+      runs.append(Run(path, kind, error=_REASONS[kind] + _orbax_era(entries)))
     else:
-      reason = _REASONS[kind]
+      reason = _REASONS[kind] + _orbax_era(entries)
       if path in implied:
         reason += (f" (a host directory of {path.rsplit('-', 1)[0]}, "
                    "which the glob names)")
