@@ -616,3 +616,13 @@ def test_checkpoints_not_migrated_names_what_the_source_keeps(tmp_path):
   assert destination.checkpoints_not_migrated(
       str(root), str(tmp_path / "nothing")) is None
 
+
+
+def test_a_saved_at_time_that_is_no_number_is_not_the_same_checkpoint():
+  """A manifest edited by hand: a record's time that is not a number makes
+  the checkpoint another one (kept, named), never a crash of verify."""
+  assert destination.same_checkpoint({"saved_at": 5.0}, 5.0)
+  assert destination.same_checkpoint({}, 5.0)  # recorded before the times
+  assert not destination.same_checkpoint({"saved_at": 6.0}, 5.0)
+  for hostile in ("soon", [5.0], {"t": 5}):
+    assert not destination.same_checkpoint({"saved_at": hostile}, 5.0)

@@ -534,8 +534,12 @@ def same_checkpoint(record: Mapping[str, Any],
   path, or restored to an older checkpoint and trained on, saves another
   checkpoint under a number already migrated)."""
   recorded = record.get("saved_at")
-  return (recorded is None or saved_at is None or
-          abs(float(recorded) - float(saved_at)) < 1e-3)
+  if recorded is None or saved_at is None:
+    return True
+  try:
+    return abs(float(recorded) - float(saved_at)) < 1e-3
+  except (TypeError, ValueError):  # a manifest edited by hand: not the same
+    return False
 
 
 def _on_some_hosts(src: Any) -> list[str]:
